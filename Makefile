@@ -1,0 +1,30 @@
+# The two commands: `make demo` and `make test`. Both run scripts/setup first (idempotent).
+VENV := .venv
+BIN := $(VENV)/bin
+PYTEST := $(BIN)/python -m pytest
+
+.PHONY: setup demo test test-slow test-all lint format bench clean
+
+setup:
+	@./scripts/setup
+
+demo: setup
+	@PATH=$(CURDIR)/$(BIN):$$PATH ./scripts/demo
+
+test: setup
+	$(BIN)/ruff check trident tests benchmarks
+	$(BIN)/ruff format --check trident tests benchmarks
+	$(PYTEST) -m "not slow" --timeout=900 tests
+
+test-slow: setup
+	$(PYTEST) -m "slow" --timeout=3600 tests
+
+lint: setup
+	$(BIN)/ruff check trident tests benchmarks
+
+format: setup
+	$(BIN)/ruff format trident tests benchmarks
+	$(BIN)/ruff check --fix trident tests benchmarks
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,48 @@
+import socket
+
+from tests.conftest import run_cli
+
+
+def _one_line_error(r, *fragments):
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in last, last
+
+
+def test_help_lists_working_commands():
+    r = run_cli("--help", timeout=60)
+    assert r.returncode == 0
+    for command in ("model", "sft", "eval"):
+        assert command in r.stdout
+    for command in ("sft", "eval"):
+        r = run_cli(command, "--help", timeout=60)
+        assert r.returncode == 0 and "--dry-run" in r.stdout and "KEY=VALUE" in r.stdout
+
+
+def test_missing_model_path(tmp_path):
+    r = run_cli("sft", "model.path=/no/such/model", f"run.dir={tmp_path}", timeout=120)
+    _one_line_error(r, "/no/such/model", "trident model init")
+
+
+def test_unreadable_dataset(tiny_model, tmp_path):
+    r = run_cli("sft", f"model.path={tiny_model}", "data.train_path=/no/such/data.jsonl", f"run.dir={tmp_path}", timeout=120)
+    _one_line_error(r, "/no/such/data.jsonl", "no such file")
+
+
+def test_port_in_use(tiny_model, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_cli("eval", f"model.path={tiny_model}", f"rollout.base_port={port}", f"run.dir={tmp_path}", timeout=180)
+    _one_line_error(r, f"port {port}", "in use")
+
+
+def test_model_init_command(tmp_path):
+    r = run_cli("model", "init", "--preset", "tiny", str(tmp_path / "m"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "M parameters" in r.stdout
+    assert (tmp_path / "m" / "config.json").is_file() and (tmp_path / "m" / "tokenizer.json").is_file()

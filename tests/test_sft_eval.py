@@ -1,0 +1,46 @@
+"""SFT lowers the loss, and the SFT checkpoint evaluates better than the random one through a
+real vLLM server (the `trident eval` command, end to end)."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.conftest import run_cli
+from trident.config import load_config
+from trident.eval import pass_at_k, heldout_rows
+from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, prompt_messages
+from trident.rewards import task_reward
+
+
+def test_pass_at_k_estimator():
+    assert pass_at_k(4, 0, 2) == 0.0
+    assert pass_at_k(4, 4, 2) == 1.0
+    assert abs(pass_at_k(4, 1, 2) - 0.5) < 1e-12  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(4, 3, 2) == 1.0  # fewer wrong samples than k
+
+
+def _hf_greedy_accuracy(model_path: str, rows: list[dict]) -> float:
+    model, tok = load_causal_lm(model_path), load_tokenizer(model_path)
+    correct = 0
+    for row in rows:
+        ids = torch.tensor([encode_chat(tok, prompt_messages(row["prompt"]))])
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+        correct += task_reward(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), **row) > 0.5
+    return correct / len(rows)
+
+
+def test_sft_lowers_loss_and_raises_accuracy(tiny_model, sft_model, tmp_path):
+    log = [json.loads(line) for line in (Path(sft_model).parent / "sft_metrics.jsonl").read_text().splitlines()]
+    first = sum(r["loss"] for r in log[:20]) / 20
+    last = sum(r["loss"] for r in log[-20:]) / 20
+    assert last < 0.5 * first, (first, last)
+
+    r = run_cli("eval", f"model.path={sft_model}", "eval.max_prompts=100", f"run.dir={tmp_path}", "run.name=ev")
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert result["num_prompts"] == 100 and result["infra_errors"] == 0
+    cfg = load_config([], ["eval.max_prompts=100"])
+    base = _hf_greedy_accuracy(tiny_model, heldout_rows(cfg)[:50])
+    assert result["accuracy"] >= base + 0.05, (base, result["accuracy"])
+    assert result["pass@4"] >= result["mean_sample_accuracy"]

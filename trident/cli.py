@@ -1,0 +1,178 @@
+"""The ``trident`` command line.
+
+Every job command takes ``--config FILE`` (repeatable), dotted overrides (``rollout.n=8``) and
+``--dry-run`` (print the resolved config and exit). Expected failures (bad config, missing model,
+unreadable data, a port in use, a server that does not start) print one actionable line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from trident.config import ConfigError, TridentConfig, dump_config, load_config, save_config
+
+EPILOG = "Overrides are dotted KEY=VALUE pairs, e.g. `model.path=ckpt rollout.n=8`; see the README's config reference."
+
+
+def _job_parser(sub, name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_text, description=description, epilog=EPILOG)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    p.add_argument(
+        "-c",
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="YAML config file (repeatable)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config and exit without starting anything",
+    )
+    return p
+
+
+def _resolve(args: argparse.Namespace, needs_model: bool = True) -> TridentConfig | None:
+    """Load, print and save the config; None after a dry run."""
+    from rich.console import Console
+    from rich.syntax import Syntax
+
+    cfg = load_config(args.config, args.overrides)
+    Console(stderr=True).print(
+        Syntax(dump_config(cfg), "yaml", theme="ansi_dark", background_color="default")
+    )
+    if args.dry_run:
+        return None
+    if needs_model:
+        from trident.models.load import check_model_path
+
+        check_model_path(cfg.model.path)
+    save_config(cfg, cfg.derived.run_dir)
+    return cfg
+
+
+def cmd_model_init(args: argparse.Namespace) -> int:
+    from trident.models.factory import count_parameters, init_model
+
+    out = init_model(args.out, args.preset, args.seed)
+    from trident.models.load import load_causal_lm
+
+    n = count_parameters(load_causal_lm(str(out)))
+    print(f"wrote {args.preset} checkpoint ({n / 1e6:.2f} M parameters) to {out}")
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    cfg = _resolve(args)
+    if cfg is None:
+        return 0
+    from trident.train.sft import run_sft
+
+    out = run_sft(cfg)
+    print(f"SFT checkpoint: {out}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    cfg = _resolve(args)
+    if cfg is None:
+        return 0
+    from rich.console import Console
+
+    from trident.eval import run_eval, summary_table
+
+    result = run_eval(cfg, args.out)
+    Console().print(summary_table({cfg.model.path: result}, cfg.eval.pass_k))
+    print(f"results: {result['path']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trident", description="RL post-training for language models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    model = sub.add_parser(
+        "model", help="create local checkpoints", description="Create local checkpoints."
+    )
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    init = model_sub.add_parser(
+        "init",
+        help="write a small random model + tokenizer + chat template",
+        description="Write a Qwen2-architecture checkpoint with a byte-level BPE tokenizer trained on the "
+        "built-in tasks and a ChatML chat template (tool calls included). Loads in transformers and vLLM.",
+    )
+    init.add_argument("out", help="output directory")
+    init.add_argument(
+        "--preset",
+        choices=["tiny", "small"],
+        default="tiny",
+        help="tiny ≈ 0.9 M params (CPU), small ≈ 25 M (GPU)",
+    )
+    init.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    init.set_defaults(func=cmd_model_init)
+
+    p = _job_parser(
+        sub,
+        "sft",
+        "supervised fine-tuning (the warm-up RL starts from)",
+        "Fine-tune model.path on data (prompt/response rows, chat rows or a built-in task) with FSDP2; "
+        "writes an HF checkpoint to sft.output (default <run dir>/model).",
+    )
+    p.set_defaults(func=cmd_sft)
+
+    p = _job_parser(
+        sub,
+        "eval",
+        "greedy accuracy and pass@k on a held-out split",
+        "Serve model.path with vLLM, run the test split, print a table and write JSON.",
+    )
+    p.add_argument("--out", help="JSON output path (default <run dir>/eval.json)")
+    p.set_defaults(func=cmd_eval)
+
+    for register in _plugins():
+        register(sub)
+    return parser
+
+
+def _plugins() -> list[Callable]:
+    """Subcommands that live with their component."""
+    registers = []
+    for module in ("trident.sandbox.cli", "trident.pipeline.cli"):
+        try:
+            registers.append(__import__(module, fromlist=["register"]).register)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+    return registers
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    from trident.data.loaders import DataError
+    from trident.models.load import ModelPathError
+    from trident.rollout.vllm_server import ServerStartError
+
+    return (ConfigError, DataError, ModelPathError, ServerStartError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if isinstance(e, _expected_errors()):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The config reference in Markdown, generated from the pydantic models (the README embeds it;
+a test keeps the two in sync: regenerate with ``python -m trident.config.docs``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from trident.config.schema import TridentConfig
+
+BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+
+
+def _default(field) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+    elif field.default is PydanticUndefined:
+        return "required"
+    else:
+        value = field.default
+    if isinstance(value, BaseModel):
+        return ""
+    return f"`{json.dumps(value) if not isinstance(value, str) else value or chr(34) * 2}`"
+
+
+def render() -> str:
+    lines = []
+    for name, field in TridentConfig.model_fields.items():
+        section = field.annotation
+        lines += [f"#### `{name}`", "", (section.__doc__ or "").strip().splitlines()[0], ""]
+        lines += ["| key | default | description |", "|---|---|---|"]
+        for key, f in section.model_fields.items():
+            desc = (f.description or "").replace("|", "\\|")
+            lines.append(f"| `{name}.{key}` | {_default(f)} | {desc} |")
+        lines.append("")
+    return "\n".join(lines).strip() + "\n"
+
+
+def update_readme(path: str | Path = "README.md") -> bool:
+    """Rewrite the generated block in the README; returns whether it changed."""
+    path = Path(path)
+    text = path.read_text()
+    block = f"{BEGIN}\n{render()}{END}"
+    new = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.DOTALL)
+    path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    print("README.md updated" if update_readme() else "README.md already up to date")

@@ -1,0 +1,330 @@
+"""trident's one configuration tree: typed sections, documentation and bounds on each field.
+
+Every command reads the same tree and uses the sections it needs. Derived sizes live in
+``TridentConfig.derived`` (computed once from the rest); cross-section rules that would only fail
+deep inside a run are checked here, before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+
+from trident.config.algo import AlgoConfig
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    """Run identity: name, directory, seed."""
+
+    name: str = Field("trident", description="Run name; the run directory is `<dir>/<name>`.")
+    dir: str = Field("runs", description="Parent directory of run directories.")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+
+
+class ModelConfig(Section):
+    """The policy and the other models it trains with."""
+
+    path: str = Field(
+        "", description="Local checkpoint directory or hub id of a causal LM (policy)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Parameter dtype for training and serving (float32 on CPU keeps logprobs exact).",
+    )
+    ref_path: str = Field(
+        "",
+        description="Frozen reference model; empty = the initial policy (used when algo.kl_coef > 0).",
+    )
+    teacher_paths: dict[str, str] = Field(
+        default_factory=dict,
+        description="Teachers for on-policy distillation, by task name (`default` for all).",
+    )
+
+
+class DataConfig(Section):
+    """Prompt data: a built-in task or files."""
+
+    task: str = Field(
+        "arithmetic",
+        description="Built-in task (`arithmetic`, `countdown`, `code`); empty to use the paths only.",
+    )
+    train_path: str = Field(
+        "",
+        description="Training prompts (JSONL, Parquet or a `datasets` directory); overrides the task's split.",
+    )
+    test_path: str = Field(
+        "", description="Held-out prompts for eval; overrides the task's test split."
+    )
+    prompt_key: str = Field(
+        "prompt", description="Column with the prompt (a string or a list of chat messages)."
+    )
+    answer_key: str = Field(
+        "answer", description="Column with the reference answer passed to reward functions."
+    )
+    shuffle: bool = Field(True, description="Reshuffle prompts every epoch (seeded by run.seed).")
+    num_train: int = Field(
+        4000, ge=1, description="Size of a built-in task's generated train split."
+    )
+    num_test: int = Field(200, ge=1, description="Size of a built-in task's generated test split.")
+
+
+class RolloutConfig(Section):
+    """vLLM rollout servers and sampling."""
+
+    num_servers: int = Field(1, ge=1, description="vLLM servers (each one Ray actor).")
+    n: int = Field(8, ge=1, description="Samples per prompt (the group size).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    max_tokens: int = Field(16, ge=1, description="Max new tokens per response.")
+    stop: list[str] = Field(
+        default_factory=list, description="Extra stop strings (the tokenizer's EOS always stops)."
+    )
+    base_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of server 0 (server i uses base_port + i); 0 = any free port.",
+    )
+    max_model_len: int = Field(512, ge=16, description="Context length the servers allocate for.")
+    kv_cache_gib: float = Field(
+        1.0, gt=0, description="KV cache size per CPU server (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="Fraction of GPU memory per GPU server."
+    )
+    startup_timeout_s: float = Field(
+        300, gt=0, description="Seconds to wait for a server to become healthy."
+    )
+    request_timeout_s: float = Field(
+        300, gt=0, description="Seconds before a generation request is abandoned."
+    )
+    extra_server_args: list[str] = Field(
+        default_factory=list, description="Extra command-line arguments for the vLLM server."
+    )
+
+
+class TrainerConfig(Section):
+    """The FSDP2 trainer and its optimizer."""
+
+    num_ranks: int = Field(
+        1, ge=1, description="FSDP2 ranks (Ray actors); gloo on CPU, NCCL on GPU."
+    )
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="Learning-rate schedule after warm-up."
+    )
+    micro_batch_tokens: int = Field(
+        8192, ge=16, description="Token budget of one micro-batch (padding included)."
+    )
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per training step (the batch is split into this many).",
+    )
+    critic_lr: float = Field(
+        1e-4, gt=0, description="Learning rate of the critic (algo.use_critic)."
+    )
+
+
+class PipelineConfig(Section):
+    """The controller: mode, steps, batch, staleness bound."""
+
+    mode: Literal["sync", "colocate_async", "separate_async"] = Field(
+        "sync", description="How rollout and training overlap."
+    )
+    steps: int = Field(
+        20, ge=1, description="Training steps (one optimizer update round + one weight sync each)."
+    )
+    prompts_per_step: int = Field(
+        16, ge=1, description="Prompts per step; samples per step = prompts_per_step * rollout.n."
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="η: max policy versions between the token's sampler and the trained policy.",
+    )
+
+
+class RewardFn(Section):
+    name: str = Field(
+        description="Registered reward function (`trident.rewards`) or `module:function`."
+    )
+    weight: float = Field(1.0, description="Weight in the sum of rewards.")
+
+
+class RewardConfig(Section):
+    """Reward functions and their timeouts."""
+
+    fns: list[RewardFn] = Field(
+        default_factory=list, description="Reward functions; empty = the task's own verifier."
+    )
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Timeout of one reward call; a timeout is an infra_error, not a zero.",
+    )
+    exclude_infra_errors: bool = Field(
+        True, description="Drop infra_error samples from the loss instead of scoring them."
+    )
+
+
+class SyncConfig(Section):
+    """Weight sync from trainer to servers, and its verification."""
+
+    backend: Literal["auto", "shm", "nccl", "ipc"] = Field(
+        "auto",
+        description="Weight transport: shm (trident's CPU shared memory) or vLLM's nccl/ipc on GPU; auto picks.",
+    )
+    verify: bool = Field(
+        True, description="After each sync, compare the engine's probe logprobs with the trainer's."
+    )
+    probe_tokens: int = Field(
+        32, ge=4, description="Length of the probe sequence for verification."
+    )
+    tolerance: float = Field(
+        2e-3,
+        gt=0,
+        description="Max |Δlogp| on the probe after a sync (float32; raise for bf16, e.g. 0.05).",
+    )
+
+
+class CheckpointConfig(Section):
+    """HF-format checkpoints of the policy."""
+
+    every: int = Field(
+        0, ge=0, description="Save an HF-format checkpoint every N steps (0 = only the final one)."
+    )
+    keep_last: int = Field(2, ge=1, description="Periodic checkpoints kept on disk.")
+
+
+class EvalConfig(Section):
+    """Held-out evaluation."""
+
+    max_prompts: int = Field(
+        200, ge=1, description="Test prompts evaluated (the first N of the test split)."
+    )
+    samples: int = Field(4, ge=1, description="Sampled responses per prompt for pass@k.")
+    pass_k: int = Field(4, ge=1, description="k of pass@k (unbiased estimator over `samples`).")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature for pass@k (accuracy is greedy)."
+    )
+    max_tokens: int = Field(16, ge=1, description="Max new tokens per response.")
+    before_after: bool = Field(
+        True, description="`trident train` evaluates before and after training."
+    )
+
+
+class SFTConfig(Section):
+    """Supervised fine-tuning (`trident sft`)."""
+
+    output: str = Field(
+        "", description="Where the fine-tuned checkpoint is written (default `<run dir>/model`)."
+    )
+    steps: int = Field(600, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(64, ge=1, description="Sequences per optimizer step (global).")
+    lr: float = Field(
+        3e-3, gt=0, description="Peak AdamW learning rate (cosine decay after warm-up)."
+    )
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    num_ranks: int = Field(
+        1, ge=1, description="FSDP2 ranks (processes); gloo on CPU, NCCL on GPU."
+    )
+    max_seq_len: int = Field(256, ge=8, description="Longer sequences are truncated.")
+
+
+class ClusterConfig(Section):
+    """Ray: local instance or an existing cluster."""
+
+    address: str = Field(
+        "",
+        description="Ray address to join (`auto`, `ray://host:10001`); empty = start a local instance.",
+    )
+    num_cpus: int = Field(0, ge=0, description="CPUs for a local Ray instance (0 = all).")
+
+
+class TelemetryConfig(Section):
+    """Metrics sinks and progress display."""
+
+    tensorboard: bool = Field(True, description="Write TensorBoard events to the run directory.")
+    wandb_project: str = Field("", description="Also log to this Weights & Biases project.")
+    progress: bool = Field(True, description="Show rich progress bars.")
+
+
+class Derived(BaseModel):
+    samples_per_step: int
+    total_samples: int
+    run_dir: str
+
+
+class TridentConfig(Section):
+    """The whole configuration; each command uses the sections it needs."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+
+    @computed_field
+    @property
+    def derived(self) -> Derived:
+        per_step = self.pipeline.prompts_per_step * self.rollout.n
+        return Derived(
+            samples_per_step=per_step,
+            total_samples=per_step * self.pipeline.steps,
+            run_dir=f"{self.run.dir.rstrip('/')}/{self.run.name}",
+        )
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> TridentConfig:
+        errors = []
+        if self.pipeline.mode == "sync" and self.pipeline.max_staleness != 0:
+            errors.append(
+                "pipeline.mode=sync is strictly on-policy: set pipeline.max_staleness=0 or use an async mode"
+            )
+        if self.pipeline.mode != "sync" and self.pipeline.max_staleness == 0:
+            errors.append(
+                f"pipeline.mode={self.pipeline.mode} needs pipeline.max_staleness >= 1 (η=0 is the sync trainer)"
+            )
+        if self.algo.advantage in ("grpo", "rloo", "reinforce_pp_baseline") and self.rollout.n < 2:
+            errors.append(
+                f"algo.advantage={self.algo.advantage} compares samples of a group: set rollout.n >= 2"
+            )
+        if self.algo.advantage == "gae" and not self.algo.use_critic:
+            errors.append("algo.advantage=gae needs a critic: set algo.use_critic=true")
+        if self.eval.pass_k > self.eval.samples:
+            errors.append(
+                f"eval.pass_k={self.eval.pass_k} exceeds eval.samples={self.eval.samples}"
+            )
+        if self.algo.distill_coef > 0 and not self.model.teacher_paths:
+            errors.append(
+                "algo.distill_coef > 0 needs a teacher: set model.teacher_paths.default=PATH"
+            )
+        if self.pipeline.prompts_per_step * self.rollout.n < self.trainer.mini_batches:
+            errors.append(
+                "trainer.mini_batches exceeds the samples per step (pipeline.prompts_per_step * rollout.n)"
+            )
+        if not self.data.task and not self.data.train_path:
+            errors.append("no data: set data.task (a built-in task) or data.train_path")
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self

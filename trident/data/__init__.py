@@ -1,0 +1,1 @@
+"""Prompt data: built-in verifiable tasks, file loaders and the resumable cursor."""

@@ -1,0 +1,1 @@
+"""Model and tokenizer loading, and the factory of small local checkpoints."""

@@ -1,0 +1,149 @@
+"""Local checkpoints for development, tests and the CPU demo (nothing is downloaded here).
+
+``init_model(out, preset)`` writes a complete HF checkpoint: a byte-level BPE tokenizer trained on
+the built-in tasks' text (digits split individually: with merged multi-digit tokens a tiny model
+does not learn addition), a ChatML chat template with tool-call support, and a randomly
+initialised Qwen2-architecture model. The result loads with ``from_pretrained`` in transformers
+and in a vLLM server, exactly like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trident.data.tasks import TASKS, generate_split
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+
+# ChatML, as Qwen2 uses it. Tools are listed in the system turn; an assistant turn may carry
+# `tool_calls` rendered as <tool_call>{json}</tool_call>; tool results come back in a `tool` turn.
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{% endif %}"
+    "{{ 'You may call tools. Available tools:\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{ tool | tojson + '\\n' }}{% endfor %}"
+    '{{ \'</tools>\\nCall one with <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<|im_end|>\\n\' }}'
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if not (tools and loop.first and m.role == 'system') %}"
+    "{{ '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.role == 'tool' %}{{ '<tool_response>' + m.content + '</tool_response>' }}"
+    "{%- else %}{{ m.content if m.content is string else '' }}"
+    "{%- if m.tool_calls is defined and m.tool_calls %}"
+    "{%- for call in m.tool_calls %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{{ '<tool_call>' + ({'name': fn.name, 'arguments': fn.arguments} | tojson) + '</tool_call>' }}"
+    "{%- endfor %}{%- endif %}{%- endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.9 M parameters: trains on 2 CPU cores in seconds per hundred steps.
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+    # ~25 M parameters: for GPU runs.
+    "small": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=2048,
+    ),
+}
+
+
+def _corpus(num_rows: int = 3000) -> list[str]:
+    texts = []
+    for task in TASKS.values():
+        for row in generate_split(task, "train", num_rows // 2, seed=1234):
+            texts.append(f"user\n{row['prompt']}")
+            texts.append(f"assistant\n{task.solution(row)}")
+    texts += ["system", "user", "assistant", "tool", "Answer:", '{"name": "calc", "arguments": {}}']
+    return texts
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer with single-digit tokens and the ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """Write tokenizer + config + random weights to ``out_dir``; returns the directory."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = dict(PRESETS[preset])
+    tokenizer = build_tokenizer(spec.pop("vocab_size"))
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        **spec,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "trident.json").write_text(json.dumps({"preset": preset, "seed": seed}) + "\n")
+    return out
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,1 @@
+"""Rollout: vLLM servers, their HTTP clients and the router."""

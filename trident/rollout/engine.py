@@ -1,0 +1,156 @@
+"""The rollout seam: token ids in, token ids + per-token logprobs + finish reason out.
+
+``RolloutEngine`` is what the pipeline and the agent loop call. ``VLLMClient`` speaks to one vLLM
+server over HTTP (``/v1/completions`` with a token-id prompt, ``return_token_ids``, ``logprobs``);
+``Router`` (trident.rollout.router) spreads requests over several and has the same interface.
+Nothing is re-tokenized: the ids the engine returns are the ids that get trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import httpx
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(RuntimeError):
+    """The inference server failed a request (an infrastructure failure, never the model's)."""
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int = 0
+
+
+class RolloutEngine(Protocol):
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None
+    ) -> list[Completion]:
+        """Called for every prompt (or agent turn); ``session_id`` keeps a trajectory on one server."""
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Called by weight-sync verification: logprob of each token after the first."""
+
+    async def pause(self) -> None:
+        """Called before a weight update: stop scheduling, in-flight requests are aborted."""
+
+    async def resume(self) -> None:
+        """Called after a verified weight update."""
+
+    async def healthy(self) -> bool:
+        """Called by supervision between steps."""
+
+
+class VLLMClient:
+    """HTTP client of one vLLM server (``RolloutEngine``)."""
+
+    def __init__(self, url: str, timeout_s: float = 300.0, model: str = "policy") -> None:
+        self.url, self.model = url.rstrip("/"), model
+        self.timeout_s = timeout_s
+        self.outstanding = 0  # requests in flight, read by the router
+        self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
+            self._loop = loop
+        return self._client
+
+    async def _post(
+        self, path: str, payload: dict | None = None, timeout: float | None = None
+    ) -> dict:
+        try:
+            r = await self.http.post(
+                f"{self.url}{path}", json=payload or {}, timeout=timeout or self.timeout_s
+            )
+        except httpx.HTTPError as e:
+            raise EngineError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise EngineError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
+        return r.json() if r.content else {}
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None
+    ) -> list[Completion]:
+        payload = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "n": params.n,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_tokens": params.max_tokens,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if params.stop:
+            payload["stop"] = params.stop
+        if params.seed is not None:
+            payload["seed"] = params.seed
+        self.outstanding += 1
+        try:
+            body = await self._post("/v1/completions", payload)
+        finally:
+            self.outstanding -= 1
+        out = []
+        for choice in sorted(body["choices"], key=lambda c: c["index"]):
+            reason = choice.get("finish_reason") or "abort"
+            out.append(
+                Completion(
+                    token_ids=list(choice["token_ids"]),
+                    logprobs=[float(x) for x in choice["logprobs"]["token_logprobs"]],
+                    finish_reason=reason if reason in ("stop", "length") else "abort",
+                )
+            )
+        return out
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        payload = {
+            "model": self.model,
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        body = await self._post("/v1/completions", payload)
+        entries = body["choices"][0]["prompt_logprobs"][1:]
+        return [float(e[str(t)]["logprob"]) for e, t in zip(entries, token_ids[1:], strict=True)]
+
+    async def pause(self) -> None:
+        await self._post("/pause", timeout=60)
+
+    async def resume(self) -> None:
+        await self._post("/resume", timeout=60)
+
+    async def healthy(self) -> bool:
+        try:
+            r = await self.http.get(f"{self.url}/health", timeout=5.0)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

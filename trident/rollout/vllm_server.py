@@ -1,0 +1,189 @@
+"""Launch and supervise one vLLM OpenAI-compatible server process.
+
+The server runs as ``python -m vllm.entrypoints.openai.api_server`` with
+``VLLM_SERVER_DEV_MODE=1`` (pause/resume/abort and weight-transfer endpoints) in its own process
+group, so that stopping it takes its engine-core children too. The child also gets
+``PR_SET_PDEATHSIG`` on Linux: if the supervising process is killed outright (SIGKILL, a Ray
+actor torn down), the server dies with it instead of lingering as an orphan.
+
+A server that does not become healthy raises ``ServerStartError`` with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+class ServerStartError(RuntimeError):
+    """The vLLM server exited or did not become healthy; the message holds its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise ServerStartError(
+                f"port {port} on {host} is in use: pick another or use port 0 (any free port)"
+            ) from None
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+class VLLMServer:
+    """One vLLM server process: ``start()`` -> url, ``healthy()``, ``stop()``."""
+
+    def __init__(
+        self,
+        model_path: str,
+        log_path: str | Path,
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        dtype: str = "float32",
+        max_model_len: int = 512,
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        weight_transfer_backend: str | None = "trident_shm",
+        extra_args: list[str] = (),
+        seed: int = 0,
+    ) -> None:
+        self.model_path, self.host = model_path, host
+        self.port = port or free_port()
+        self.log_path = Path(log_path)
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_path,
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            str(max_model_len),
+            "--seed",
+            str(seed),
+            "--served-model-name",
+            "policy",
+            "--disable-log-stats",
+        ]
+        if weight_transfer_backend:
+            args += ["--weight-transfer-config", f'{{"backend": "{weight_transfer_backend}"}}']
+        if _on_cpu():
+            # The eager path starts ~60 s sooner than the compiled one; for small models on CPU the
+            # scheduler, not the kernels, bounds throughput.
+            args.append("--enforce-eager")
+        else:
+            args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        self.args = args + list(extra_args)
+        self.env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib))),
+            "VLLM_CONFIGURE_LOGGING": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 300) -> str:
+        """Start the process and block until ``/health`` answers; raise with the log tail if not."""
+        check_port_free(self.port, self.host)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"vLLM server for {self.model_path} exited with code {self.proc.returncode} "
+                    f"(log: {self.log_path}):\n{log_tail(self.log_path)}"
+                )
+            if self.healthy():
+                return self.url
+            time.sleep(0.5)
+        self.stop()
+        raise ServerStartError(
+            f"vLLM server for {self.model_path} not healthy after {timeout_s:.0f} s "
+            f"(log: {self.log_path}):\n{log_tail(self.log_path)}"
+        )
+
+    def healthy(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the whole process group, SIGKILL whatever is left after ``grace_s``."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+            # The leader is gone; make sure no engine-core child outlives it.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            break
+        self.proc = None
+
+
+def _on_cpu() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True

@@ -1,0 +1,81 @@
+"""FSDP2 plumbing shared by SFT and the RL trainer: process groups, sharding, full state dicts.
+
+One rank is a real (world size 1) FSDP2 run, so the code path is the same at 1 and N ranks.
+gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        )
+    return torch.device("cpu")
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device())
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(minutes=10),
+    )
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """fully_shard each decoder layer, then the root (the usual FSDP2 wrapping of an HF LM)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(getattr(model, "model", model), "layers", [])
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict on CPU (collective: every rank must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+
+def save_hf(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path | None:
+    """Save an HF-format checkpoint (collective; rank 0 writes)."""
+    state = full_state_dict(model)
+    out = Path(out_dir)
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+    dist.barrier()
+    return out
+
+
+def cosine_lr(step: int, total: int, warmup: int, schedule: str = "cosine") -> float:
+    """Multiplier of the peak learning rate: linear warm-up, then cosine decay to 10% or constant."""
+    import math
+
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
