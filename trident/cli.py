@@ -154,9 +154,19 @@ def _plugins() -> list[Callable]:
 def _expected_errors() -> tuple[type[BaseException], ...]:
     from trident.data.loaders import DataError
     from trident.models.load import ModelPathError
+    from trident.rollout.engine import EngineError
     from trident.rollout.vllm_server import ServerStartError
+    from trident.weights.sync import WeightSyncError
 
-    return (ConfigError, DataError, ModelPathError, ServerStartError, FileNotFoundError)
+    return (
+        ConfigError,
+        DataError,
+        ModelPathError,
+        ServerStartError,
+        EngineError,
+        WeightSyncError,
+        FileNotFoundError,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,6 +98,10 @@ class VLLMServer:
             "--served-model-name",
             "policy",
             "--disable-log-stats",
+            # Logprobs of the distribution actually sampled from (temperature applied), which is
+            # what the trainer's importance ratios compare against.
+            "--logprobs-mode",
+            "processed_logprobs",
         ]
         if weight_transfer_backend:
             args += ["--weight-transfer-config", f'{{"backend": "{weight_transfer_backend}"}}']

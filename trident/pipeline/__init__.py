@@ -1,0 +1,1 @@
+"""The controller: drivers that wire rollout, reward, trainer and weight sync together."""

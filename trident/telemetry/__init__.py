@@ -1,0 +1,1 @@
+"""Metrics sinks (JSONL, TensorBoard, optional W&B) and the progress display."""
