@@ -36,22 +36,47 @@ def _job_parser(sub, name: str, help_text: str, description: str) -> argparse.Ar
 
 
 def _resolve(args: argparse.Namespace, needs_model: bool = True) -> TridentConfig | None:
-    """Load, print and save the config; None after a dry run."""
+    """Load the config, print it (all of it on --dry-run, else what differs from the defaults) and
+    save it to the run directory; None after a dry run."""
+    import yaml
     from rich.console import Console
     from rich.syntax import Syntax
 
     cfg = load_config(args.config, args.overrides)
-    Console(stderr=True).print(
-        Syntax(dump_config(cfg), "yaml", theme="ansi_dark", background_color="default")
-    )
+    console = Console(stderr=True)
     if args.dry_run:
+        console.print(
+            Syntax(dump_config(cfg), "yaml", theme="ansi_dark", background_color="default")
+        )
         return None
     if needs_model:
         from trident.models.load import check_model_path
 
         check_model_path(cfg.model.path)
-    save_config(cfg, cfg.derived.run_dir)
+    path = save_config(cfg, cfg.derived.run_dir)
+    changed = _diff(cfg.model_dump(mode="json"), TridentConfig().model_dump(mode="json"))
+    console.print(f"[bold]config[/] (non-default values; resolved config: {path})")
+    console.print(
+        Syntax(
+            yaml.safe_dump(changed, sort_keys=False).rstrip(),
+            "yaml",
+            theme="ansi_dark",
+            background_color="default",
+        )
+    )
     return cfg
+
+
+def _diff(values: dict, defaults: dict) -> dict:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            sub = _diff(value, defaults[key])
+            if sub:
+                out[key] = sub
+        elif value != defaults.get(key):
+            out[key] = value
+    return out
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:

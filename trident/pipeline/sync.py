@@ -27,6 +27,10 @@ from trident.telemetry.metrics import MetricsLogger
 from trident.train.group import TrainerGroup
 
 
+# trainer-side sync backend -> the server's --weight-transfer-config backend
+SERVER_BACKENDS = {"shm": "trident_shm", "nccl": "nccl", "ipc": "ipc"}
+
+
 def weight_backend(cfg: Any) -> str:
     if cfg.sync.backend != "auto":
         return cfg.sync.backend
@@ -119,7 +123,9 @@ def run_train(cfg: Any) -> dict[str, Any]:
     init_ray(cfg.cluster)
     try:
         with (
-            RolloutFleet(cfg, cfg.model.path, run_dir, weight_transfer="trident_shm") as fleet,
+            RolloutFleet(
+                cfg, cfg.model.path, run_dir, weight_transfer=SERVER_BACKENDS[weight_backend(cfg)]
+            ) as fleet,
             TrainerGroup(cfg) as trainer,
         ):
             results = asyncio.run(train_sync(cfg, fleet, trainer, log))

@@ -3,8 +3,8 @@
 The server runs as ``python -m vllm.entrypoints.openai.api_server`` with
 ``VLLM_SERVER_DEV_MODE=1`` (pause/resume/abort and weight-transfer endpoints) in its own process
 group, so that stopping it takes its engine-core children too. The child also gets
-``PR_SET_PDEATHSIG`` on Linux: if the supervising process is killed outright (SIGKILL, a Ray
-actor torn down), the server dies with it instead of lingering as an orphan.
+``PR_SET_PDEATHSIG`` (SIGTERM) on Linux: if the supervising process is killed outright (SIGKILL,
+a Ray actor torn down), the server shuts down with its children instead of lingering.
 
 A server that does not become healthy raises ``ServerStartError`` with the tail of its log.
 """
@@ -46,8 +46,10 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
 
 
 def _die_with_parent() -> None:
+    # SIGTERM, not SIGKILL: the API server's own shutdown then stops its engine-core and worker
+    # children (a SIGKILLed API server leaves them orphaned).
     if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
@@ -119,6 +121,8 @@ class VLLMServer:
             "VLLM_CONFIGURE_LOGGING": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
+        if weight_transfer_backend == "ipc":  # vLLM's ipc backend ships pickled CUDA IPC handles
+            self.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self.proc: subprocess.Popen | None = None
 
     @property

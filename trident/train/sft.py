@@ -105,7 +105,7 @@ def _sft_rank(rank: int, world_size: int, port: int, cfg: TridentConfig, out_dir
     metrics_path = Path(out_dir).parent / "sft_metrics.jsonl"
     progress = _progress(rank == 0 and cfg.telemetry.progress, sc.steps)
     t0 = time.time()
-    with metrics_path.open("w") if rank == 0 else open(os.devnull, "w") as log:
+    with metrics_path.open("w", buffering=1) if rank == 0 else open(os.devnull, "w") as log:
         for step in range(sc.steps):
             batch_rows = rng.sample(range(len(examples)), min(sc.batch_size, len(examples)))
             mine = [examples[i] for i in batch_rows[rank * per_rank : (rank + 1) * per_rank]]

@@ -1,0 +1,269 @@
+"""Engine side of trident's CPU weight sync: the ``trident_shm`` vLLM weight-transfer backend.
+
+vLLM loads ``register()`` in every one of its processes through the ``vllm.general_plugins``
+entry point (pyproject.toml); it registers ``TridentShmEngine`` under the name ``trident_shm``,
+which a server selects with ``--weight-transfer-config '{"backend": "trident_shm"}'``.
+
+Protocol (HTTP routes of a server run with ``VLLM_SERVER_DEV_MODE=1``; the trainer side is
+``trident.weights.sync.WeightSync``):
+
+1. ``POST /init_weight_transfer_engine {"init_info": {}}`` once per server.
+2. Per update: ``POST /start_weight_update``, then for bucket ``i = 0, 1, ...``
+   ``POST /update_weights {"update_info": {"path", "checksum", "index", "final"}}``: ``path`` is a
+   safetensors file the trainer wrote (in /dev/shm on one host) holding HF-named tensors,
+   ``checksum`` is ``"xxh3_128:<hex>"`` of the file's bytes, ``final`` marks the last bucket.
+   Then ``POST /finish_weight_update {"weight_version": "N"}``. A trainer that fails mid-update
+   sends ``{"update_info": {"abort": true}}``: the engine discards what it staged and raises, which
+   is how vLLM's worker closes an update session without touching the weights.
+
+The engine reads each file once, hashes exactly the bytes it deserializes, and refuses (raises,
+so the HTTP call fails) a bucket whose checksum differs, that arrives out of order, or that names a
+tensor the served checkpoint does not have or gives it another shape. Refusal happens before
+anything touches the model: buckets are staged in memory and applied together when the ``final``
+bucket arrives, inside vLLM's layerwise reload (``initialize_layerwise_reload`` /
+``finalize_layerwise_reload``, required on CPU where vLLM repacks weights after loading). So an
+update either applies whole or leaves the served weights and version as they were. The apply runs
+inside ``/update_weights`` rather than ``/finish_weight_update`` because vLLM's worker closes the
+update session when ``update_weights`` raises but leaves it open when ``finish`` raises.
+
+Simplifications: the engine holds one extra copy of the update's tensors while staging (fine for
+the models a shared-memory backend serves; GPUs use vLLM's ``nccl``/``ipc`` backends); the
+name/shape check needs the checkpoint as a local directory of safetensors files (a hub id skips
+it, and a bad shape then fails inside the load, which may leave the layers loaded before it
+updated); the engine never deletes a file, the trainer owns
+them. Every worker of a tensor-parallel server reads the full tensors and vLLM's loaders shard them.
+
+This module imports only the standard library at import time: the engine class, which needs
+vLLM and torch, is built on first access (PEP 562 ``__getattr__``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+from pathlib import Path
+from typing import Any
+
+BACKEND = "trident_shm"
+CHECKSUM_ALGORITHM = "xxh3_128"
+
+# A child of vLLM's logger: messages land in the server log, formatted like vLLM's own.
+logger = logging.getLogger("vllm.trident_shm")
+
+
+def checksum(data: bytes | memoryview | mmap.mmap) -> str:
+    """``"xxh3_128:<hex>"`` of ``data`` (any buffer): the checksum of a bucket file's bytes."""
+    import xxhash
+
+    return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_128_hexdigest(data)}"
+
+
+def register() -> None:
+    """vLLM plugin hook: register ``trident_shm`` (idempotent: plugins may load more than once)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    with contextlib.suppress(ValueError):  # already registered in this process
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "TridentShmEngine")
+
+
+def checkpoint_shapes(model_dir: str, hf_config: Any) -> dict[str, tuple[int, ...]] | None:
+    """HF tensor name -> shape of the checkpoint in ``model_dir`` (safetensors headers only).
+
+    ``lm_head.weight`` is added for tied-embedding models: their checkpoints omit it, but an
+    update must carry it (vLLM's reload unties the head; see ``sync.hf_named_tensors``).
+    None when ``model_dir`` is not a local directory of safetensors files.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    text_config = (
+        hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    )
+    if getattr(text_config, "tie_word_embeddings", False):
+        shapes.setdefault("lm_head.weight", (text_config.vocab_size, text_config.hidden_size))
+    return shapes
+
+
+def _build_engine_class() -> type:
+    import time
+    from dataclasses import dataclass
+
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+
+    @dataclass
+    class ShmInitInfo(WeightTransferInitInfo):
+        """No rendezvous: the trainer and the engine share a filesystem."""
+
+    @dataclass
+    class ShmUpdateInfo(WeightTransferUpdateInfo):
+        path: str = ""
+        checksum: str = ""
+        index: int = 0
+        final: bool = False
+        abort: bool = False
+
+        def __post_init__(self) -> None:
+            if not self.abort and not (self.path and self.checksum):
+                raise ValueError("update_info needs 'path' and 'checksum' (or 'abort': true)")
+
+    class TridentShmEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
+        """Loads checksummed safetensors buckets from a shared filesystem, all-or-nothing."""
+
+        init_info_cls = ShmInitInfo
+        update_info_cls = ShmUpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, config, vllm_config, device, model) -> None:
+            super().__init__(config, vllm_config, device, model)
+            self._staged: list[tuple[str, Any]] = []
+            self._buckets = 0
+            self._applied = False
+            self._shapes: dict[str, tuple[int, ...]] | None = None
+            self._read_s = 0.0  # read + checksum + deserialize, over this update's buckets
+
+        def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+            self._shapes = checkpoint_shapes(self.model_config.model, self.model_config.hf_config)
+            if self._shapes is None:
+                logger.warning(
+                    "trident_shm: %s is not a local safetensors checkpoint; tensor names and "
+                    "shapes of updates will not be checked before loading",
+                    self.model_config.model,
+                )
+
+        def start_weight_update(self) -> None:
+            self._staged, self._buckets, self._applied = [], 0, False
+            self._read_s = 0.0
+
+        def receive_weights(self, update_info: ShmUpdateInfo) -> None:
+            try:
+                self._receive(update_info)
+            except BaseException:
+                # vLLM's worker ends the update session when this raises; drop what was staged.
+                self._staged, self._buckets = [], 0
+                raise
+
+        def _receive(self, update_info: ShmUpdateInfo) -> None:
+            from safetensors.torch import load
+
+            if update_info.abort:
+                # Raising is what makes vLLM's worker close the update session.
+                raise RuntimeError(
+                    "weight update aborted by the trainer; "
+                    + (
+                        "the new weights were already applied, the version was not bumped"
+                        if self._applied
+                        else "weights unchanged"
+                    )
+                )
+            if self._applied:
+                raise ValueError(
+                    f"bucket {update_info.index} arrived after the final bucket was applied"
+                )
+            if update_info.index != self._buckets:
+                raise ValueError(
+                    f"bucket {update_info.index} arrived, expected bucket {self._buckets}: "
+                    "a bucket was lost or repeated; update refused, weights unchanged"
+                )
+            t0 = time.perf_counter()
+            data = Path(update_info.path).read_bytes()
+            got = checksum(data)
+            if got != update_info.checksum:
+                raise ValueError(
+                    f"checksum mismatch for bucket {update_info.index} ({update_info.path}): "
+                    f"trainer sent {update_info.checksum}, engine read {got}; "
+                    "update refused, weights unchanged"
+                )
+            tensors = load(data)
+            del data
+            self._check_names(tensors, update_info)
+            self._staged.extend(tensors.items())
+            self._buckets += 1
+            self._read_s += time.perf_counter() - t0
+            if update_info.final:
+                self._apply()
+
+        def _check_names(self, tensors: dict[str, Any], update_info: ShmUpdateInfo) -> None:
+            if self._shapes is None:
+                return
+            for name, tensor in tensors.items():
+                want = self._shapes.get(name)
+                if want is None:
+                    raise ValueError(
+                        f"bucket {update_info.index}: tensor {name!r} is not in the served "
+                        "checkpoint; update refused, weights unchanged"
+                    )
+                if tuple(tensor.shape) != want:
+                    raise ValueError(
+                        f"bucket {update_info.index}: tensor {name!r} has shape "
+                        f"{tuple(tensor.shape)}, the served checkpoint has {want}; "
+                        "update refused, weights unchanged"
+                    )
+
+        def _apply(self) -> None:
+            from vllm.model_executor.model_loader.mtp_validation import (
+                disable_mtp_completeness_check,
+            )
+            from vllm.model_executor.model_loader.reload import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
+
+            staged, self._staged = self._staged, []
+            t0 = time.perf_counter()
+            initialize_layerwise_reload(self.model)
+            try:
+                with disable_mtp_completeness_check():
+                    self.model.load_weights(staged)
+            finally:
+                # Also on failure: layers that did not receive all their weights get their
+                # previous tensors back instead of staying on the meta device.
+                finalize_layerwise_reload(self.model, self.model_config)
+            self._applied = True
+            logger.info(
+                "trident_shm: applied %d tensors from %d buckets (%.1f MB): "
+                "read+check %.3f s, load %.3f s",
+                len(staged),
+                self._buckets,
+                sum(t.numel() * t.element_size() for _, t in staged) / 1e6,
+                self._read_s,
+                time.perf_counter() - t0,
+            )
+
+        def finish_weight_update(self) -> None:
+            if self._buckets and not self._applied:
+                staged = self._buckets
+                self._staged, self._buckets = [], 0
+                # Raising keeps vLLM from bumping the weight version.
+                raise RuntimeError(
+                    f"weight update finished after {staged} bucket(s) without the final one; "
+                    "staged tensors discarded, weights unchanged"
+                )
+
+        def shutdown(self) -> None:
+            self._staged, self._buckets, self._applied = [], 0, False
+
+    return TridentShmEngine
+
+
+_engine_class: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    global _engine_class
+    if name == "TridentShmEngine":
+        if _engine_class is None:
+            _engine_class = _build_engine_class()
+        return _engine_class
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
