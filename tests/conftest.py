@@ -56,7 +56,9 @@ def sft_model(tiny_model, tmp_path_factory) -> str:
     return str(run_sft(cfg))
 
 
-def run_cli(*args: str, timeout: float = 600, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, timeout: float = 600, cwd: str | Path | None = None
+) -> subprocess.CompletedProcess:
     """Run the installed ``trident`` command the way a user does."""
     return subprocess.run(
         [sys.executable, "-m", "trident.cli", *args],

@@ -28,7 +28,13 @@ def test_missing_model_path(tmp_path):
 
 
 def test_unreadable_dataset(tiny_model, tmp_path):
-    r = run_cli("sft", f"model.path={tiny_model}", "data.train_path=/no/such/data.jsonl", f"run.dir={tmp_path}", timeout=120)
+    r = run_cli(
+        "sft",
+        f"model.path={tiny_model}",
+        "data.train_path=/no/such/data.jsonl",
+        f"run.dir={tmp_path}",
+        timeout=120,
+    )
     _one_line_error(r, "/no/such/data.jsonl", "no such file")
 
 
@@ -37,7 +43,13 @@ def test_port_in_use(tiny_model, tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = run_cli("eval", f"model.path={tiny_model}", f"rollout.base_port={port}", f"run.dir={tmp_path}", timeout=180)
+        r = run_cli(
+            "eval",
+            f"model.path={tiny_model}",
+            f"rollout.base_port={port}",
+            f"run.dir={tmp_path}",
+            timeout=180,
+        )
     _one_line_error(r, f"port {port}", "in use")
 
 
@@ -45,4 +57,6 @@ def test_model_init_command(tmp_path):
     r = run_cli("model", "init", "--preset", "tiny", str(tmp_path / "m"), timeout=120)
     assert r.returncode == 0, r.stderr
     assert "M parameters" in r.stdout
-    assert (tmp_path / "m" / "config.json").is_file() and (tmp_path / "m" / "tokenizer.json").is_file()
+    assert (tmp_path / "m" / "config.json").is_file() and (
+        tmp_path / "m" / "tokenizer.json"
+    ).is_file()

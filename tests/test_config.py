@@ -25,7 +25,11 @@ def test_yaml_then_overrides_merge_in_order(tmp_path):
 
 @pytest.mark.parametrize(
     ("override", "suggestion"),
-    [("rollout.nn=3", "rollout.n"), ("rolout.n=3", "rollout"), ("algo.clip_eps_hi=0.3", "algo.clip_eps_high")],
+    [
+        ("rollout.nn=3", "rollout.n"),
+        ("rolout.n=3", "rollout"),
+        ("algo.clip_eps_hi=0.3", "algo.clip_eps_high"),
+    ],
 )
 def test_unknown_key_suggests_the_closest(override, suggestion):
     with pytest.raises(ConfigError, match=f"did you mean {suggestion}"):
@@ -74,7 +78,14 @@ def test_config_imports_without_torch():
 
 
 def test_dry_run_prints_and_starts_nothing(tmp_path):
-    r = run_cli("sft", "--dry-run", "model.path=/does/not/matter", f"run.dir={tmp_path}", "rollout.n=3", timeout=60)
+    r = run_cli(
+        "sft",
+        "--dry-run",
+        "model.path=/does/not/matter",
+        f"run.dir={tmp_path}",
+        "rollout.n=3",
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "n: 3" in r.stderr and "samples_per_step: 48" in r.stderr
     assert not any(tmp_path.iterdir())  # no run directory was created
@@ -83,7 +94,9 @@ def test_dry_run_prints_and_starts_nothing(tmp_path):
 def test_readme_config_reference_is_generated():
     readme = (REPO / "README.md").read_text()
     block = readme.split(BEGIN, 1)[1].split(END, 1)[0]
-    assert block.strip() == render().strip(), "README config reference is stale: python -m trident.config.docs"
+    assert block.strip() == render().strip(), (
+        "README config reference is stale: python -m trident.config.docs"
+    )
 
 
 def test_override_syntax_error_is_one_line():

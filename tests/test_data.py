@@ -41,7 +41,10 @@ def test_jsonl_parquet_and_datasets_load_the_same_rows(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"prompt": "1+1", "answer": "2"}, {"prompt": [{"role": "user", "content": "2+2"}], "answer": "4"}]
+    rows = [
+        {"prompt": "1+1", "answer": "2"},
+        {"prompt": [{"role": "user", "content": "2+2"}], "answer": "4"},
+    ]
     jsonl = write_jsonl(rows, tmp_path / "d.jsonl")
     flat = [{"q": "1+1", "a": "2"}, {"q": "3+4", "a": "7"}]
     pq.write_table(pa.Table.from_pylist(flat), tmp_path / "d.parquet")
@@ -62,7 +65,7 @@ def test_jsonl_parquet_and_datasets_load_the_same_rows(tmp_path):
         ('{"prompt": [{"role": "robot", "content": "x"}], "answer": "2"}', "unknown role"),
         ('{"prompt": [{"content": "x"}], "answer": "2"}', "message 0"),
         ('{"prompt": "1+1"}', "missing key 'answer'"),
-        ('[1, 2]', "expected a JSON object"),
+        ("[1, 2]", "expected a JSON object"),
     ],
 )
 def test_malformed_jsonl_row_names_file_and_line(tmp_path, line, message):
@@ -77,12 +80,17 @@ def test_malformed_parquet_row_names_row(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "", "answer": "2"}]), tmp_path / "p.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "", "answer": "2"}]),
+        tmp_path / "p.parquet",
+    )
     with pytest.raises(DataError, match=r"p\.parquet: row 1: the prompt is empty"):
         load_rows(tmp_path / "p.parquet")
 
 
-@pytest.mark.parametrize("make", ["missing", "corrupt_parquet", "not_a_dataset", "unknown_suffix", "empty"])
+@pytest.mark.parametrize(
+    "make", ["missing", "corrupt_parquet", "not_a_dataset", "unknown_suffix", "empty"]
+)
 def test_unreadable_sources_fail_clearly(tmp_path, make):
     path = {
         "missing": tmp_path / "nope.jsonl",
@@ -113,7 +121,9 @@ def test_cursor_resume_continues_exactly():
     resumed.load_state_dict(state)
     got += [r["prompt"] for _ in range(4) for r in resumed.next_batch(4)]
     assert got == expected
-    assert sorted(expected[:10]) == sorted(r["prompt"] for r in rows)  # an epoch covers every row once
+    assert sorted(expected[:10]) == sorted(
+        r["prompt"] for r in rows
+    )  # an epoch covers every row once
     assert expected[:10] != expected[10:20]  # each epoch reshuffles
 
 

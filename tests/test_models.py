@@ -20,13 +20,21 @@ def test_chat_template_renders_chatml_with_tools(tiny_model):
     tok = load_tokenizer(tiny_model)
     messages = [
         {"role": "user", "content": "add 2 and 3"},
-        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+        },
         {"role": "tool", "content": "5"},
     ]
     tools = [{"type": "function", "function": {"name": "add"}}]
-    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
     assert text.startswith("<|im_start|>system\nYou may call tools.")
-    assert '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>\n' in text
+    assert (
+        '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>\n' in text
+    )
     assert "<|im_start|>tool\n<tool_response>5</tool_response><|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
     ids = encode_chat(tok, messages[:1])

@@ -8,7 +8,7 @@ import torch
 
 from tests.conftest import run_cli
 from trident.config import load_config
-from trident.eval import pass_at_k, heldout_rows
+from trident.eval import heldout_rows, pass_at_k
 from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, prompt_messages
 from trident.rewards import task_reward
 
@@ -26,17 +26,28 @@ def _hf_greedy_accuracy(model_path: str, rows: list[dict]) -> float:
     for row in rows:
         ids = torch.tensor([encode_chat(tok, prompt_messages(row["prompt"]))])
         out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
-        correct += task_reward(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), **row) > 0.5
+        correct += (
+            task_reward(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), **row) > 0.5
+        )
     return correct / len(rows)
 
 
 def test_sft_lowers_loss_and_raises_accuracy(tiny_model, sft_model, tmp_path):
-    log = [json.loads(line) for line in (Path(sft_model).parent / "sft_metrics.jsonl").read_text().splitlines()]
+    log = [
+        json.loads(line)
+        for line in (Path(sft_model).parent / "sft_metrics.jsonl").read_text().splitlines()
+    ]
     first = sum(r["loss"] for r in log[:20]) / 20
     last = sum(r["loss"] for r in log[-20:]) / 20
     assert last < 0.5 * first, (first, last)
 
-    r = run_cli("eval", f"model.path={sft_model}", "eval.max_prompts=100", f"run.dir={tmp_path}", "run.name=ev")
+    r = run_cli(
+        "eval",
+        f"model.path={sft_model}",
+        "eval.max_prompts=100",
+        f"run.dir={tmp_path}",
+        "run.name=ev",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "ev" / "eval.json").read_text())
     assert result["num_prompts"] == 100 and result["infra_errors"] == 0

@@ -26,7 +26,6 @@ from trident.rewards import RewardModel
 from trident.telemetry.metrics import MetricsLogger
 from trident.train.group import TrainerGroup
 
-
 # trainer-side sync backend -> the server's --weight-transfer-config backend
 SERVER_BACKENDS = {"shm": "trident_shm", "nccl": "nccl", "ipc": "ipc"}
 
