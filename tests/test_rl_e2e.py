@@ -8,7 +8,7 @@ import pytest
 
 from trident.config import load_config
 from trident.models.load import load_causal_lm
-from trident.pipeline.sync import run_train
+from trident.pipeline.run import run_train
 from trident.telemetry.metrics import read_metrics
 
 STEPS = 12

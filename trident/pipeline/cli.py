@@ -14,7 +14,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from trident.eval import summary_table
-    from trident.pipeline.sync import run_train
+    from trident.pipeline.run import run_train
 
     results = run_train(cfg)
     if "before" in results:

@@ -11,31 +11,20 @@ must equal the trainer's); a sync that did not apply stops the run.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from trident.cluster.ray_cluster import RolloutFleet, init_ray
+from trident.cluster.ray_cluster import RolloutFleet
 from trident.data.loaders import PromptCursor, load_split
 from trident.eval import evaluate, heldout_rows
 from trident.models.load import load_tokenizer
 from trident.pipeline.progress import StepProgress
 from trident.pipeline.rollout import rollout_batch, rollout_metrics, sampling_params
+from trident.pipeline.run import save_checkpoint, weight_backend
 from trident.rewards import RewardModel
 from trident.telemetry.metrics import MetricsLogger
 from trident.train.group import TrainerGroup
-
-# trainer-side sync backend -> the server's --weight-transfer-config backend
-SERVER_BACKENDS = {"shm": "trident_shm", "nccl": "nccl", "ipc": "ipc"}
-
-
-def weight_backend(cfg: Any) -> str:
-    if cfg.sync.backend != "auto":
-        return cfg.sync.backend
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "shm"
 
 
 async def train_sync(
@@ -94,45 +83,4 @@ async def train_sync(
     )
     if cfg.eval.before_after:
         results["after"] = await evaluate(router, tokenizer, heldout_rows(cfg), cfg)
-    return results
-
-
-def save_checkpoint(trainer: TrainerGroup, run_dir: Path, name: str, keep_last: int | None) -> str:
-    out = trainer.call("save_hf", str(run_dir / "checkpoints" / name))
-    if keep_last:
-        periodic = sorted(
-            (run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1])
-        )
-        for old in periodic[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    return out
-
-
-def run_train(cfg: Any) -> dict[str, Any]:
-    """``trident train``: start Ray, the servers and the trainer; run; stop everything."""
-    import json
-
-    import ray
-
-    run_dir = Path(cfg.derived.run_dir)
-    log = MetricsLogger(
-        run_dir, cfg.telemetry.tensorboard, cfg.telemetry.wandb_project, cfg.model_dump(mode="json")
-    )
-    started_ray = not ray.is_initialized()
-    init_ray(cfg.cluster)
-    try:
-        with (
-            RolloutFleet(
-                cfg, cfg.model.path, run_dir, weight_transfer=SERVER_BACKENDS[weight_backend(cfg)]
-            ) as fleet,
-            TrainerGroup(cfg) as trainer,
-        ):
-            results = asyncio.run(train_sync(cfg, fleet, trainer, log))
-    finally:
-        log.close()
-        if started_ray and not cfg.cluster.address:
-            ray.shutdown()
-    for key in ("before", "after"):
-        if key in results:
-            (run_dir / f"eval_{key}.json").write_text(json.dumps(results[key], indent=2) + "\n")
     return results

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trident.data.tasks import extract_answer, get_task
+from trident.sandbox import InfraError
 
 RewardFn = Callable[..., Any]
 REGISTRY: dict[str, RewardFn] = {}
@@ -94,9 +95,9 @@ async def call_reward(
         ) from None
     except RewardInfraError:
         raise
+    except InfraError as e:  # the sandbox failed, not the model's code
+        raise RewardInfraError(str(e)) from e
     except Exception as e:
-        if type(e).__name__ == "InfraError":  # the sandbox's infrastructure failure
-            raise RewardInfraError(str(e)) from e
         raise RewardInfraError(
             f"reward {getattr(fn, '__name__', fn)} raised {type(e).__name__}: {e}"
         ) from e
