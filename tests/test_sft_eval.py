@@ -55,3 +55,27 @@ def test_sft_lowers_loss_and_raises_accuracy(tiny_model, sft_model, tmp_path):
     base = _hf_greedy_accuracy(tiny_model, heldout_rows(cfg)[:50])
     assert result["accuracy"] >= base + 0.05, (base, result["accuracy"])
     assert result["pass@4"] >= result["mean_sample_accuracy"]
+
+
+def test_sft_examples_mask_only_the_response(tiny_model):
+    from trident.train.sft import encode_example
+
+    tok = load_tokenizer(tiny_model)
+    row = {"prompt": "12+30", "answer": "42"}
+    ids, mask = encode_example(tok, row, "arithmetic")
+    assert tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "Answer: 42<|im_end|>"
+    assert ids[: mask.index(1)] == encode_chat(
+        tok, prompt_messages("12+30")
+    )  # exactly what rollout sends
+    formats = ["Answer: {answer}", "= {answer}", "{answer}"]
+    seen = set()
+    for a in range(10, 60):
+        r = {"prompt": f"{a}+1", "answer": str(a + 1)}
+        ids, mask = encode_example(tok, r, "arithmetic", formats)
+        seen.add(tok.decode([t for t, m in zip(ids, mask, strict=True) if m]).split(str(a + 1))[0])
+    assert seen == {"Answer: ", "= ", ""}  # every style is used, chosen per prompt
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                         {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok"}]}  # fmt: skip
+    ids, mask = encode_example(tok, chat)
+    trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert "yo" in trained and "ok" in trained and "hi" not in trained and "again" not in trained

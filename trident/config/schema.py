@@ -130,6 +130,11 @@ class TrainerConfig(Section):
         ge=1,
         description="Optimizer steps per training step (the batch is split into this many).",
     )
+    cpu_threads: int = Field(
+        0,
+        ge=0,
+        description="Torch CPU threads per rank, for SFT too (0 = torch's default; 1 avoids oversubscription on small machines).",
+    )
     critic_lr: float = Field(
         1e-4, gt=0, description="Learning rate of the critic (algo.use_critic)."
     )
@@ -240,6 +245,11 @@ class SFTConfig(Section):
         1, ge=1, description="FSDP2 ranks (processes); gloo on CPU, NCCL on GPU."
     )
     max_seq_len: int = Field(256, ge=8, description="Longer sequences are truncated.")
+    answer_formats: list[str] = Field(
+        default_factory=list,
+        description="Response templates for a built-in task's SFT targets (`{answer}` and the row's other "
+        "fields), one picked per prompt by a stable hash; empty = the task's required format.",
+    )
 
 
 class ClusterConfig(Section):

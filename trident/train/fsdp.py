@@ -22,6 +22,14 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def set_cpu_threads(n: int) -> None:
+    """Torch intra-op threads for this rank (0 = leave torch's default). On a small CPU machine
+    shared with rollout servers, oversubscribed threads spin against each other: one per rank
+    was 2-5x faster than the default in measurements here."""
+    if n > 0 and not torch.cuda.is_available():
+        torch.set_num_threads(n)
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
     if dist.is_initialized():
         return

@@ -53,8 +53,8 @@ class PolicyWorker:
     def __init__(
         self, cfg: TridentConfig, rank: int, world_size: int, master_addr: str, master_port: int
     ) -> None:
-        torch.set_num_threads(max(1, torch.get_num_threads()))
         fsdp.init_distributed(rank, world_size, master_addr, master_port)
+        fsdp.set_cpu_threads(cfg.trainer.cpu_threads)
         torch.manual_seed(cfg.run.seed)
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.device = fsdp.device()
@@ -166,7 +166,7 @@ class PolicyWorker:
             (loss * self.world).backward()  # FSDP averages gradients over ranks; losses are sums
             n = float(mask.sum())
             sums["tokens"] += n
-            sums["loss"] += float(loss)
+            sums["loss"] += float(loss.detach())
             sums["entropy"] += float((entropy * mask).sum())
             for key in ("clip_fraction", "ratio_mean", "approx_kl"):
                 sums[key] += float(m[key]) * n

@@ -1,7 +1,8 @@
 """Supervised fine-tuning: the warm-up that RL starts from.
 
 Data: rows with ``prompt`` + ``response``, rows of a built-in task (the response is the task's
-solution), or rows with ``messages`` (a whole chat; every assistant turn is trained on).
+solution, or one of ``sft.answer_formats``), or rows with ``messages`` (a whole chat; every
+assistant turn is trained on).
 Tokens are laid out exactly as rollout will see them: the chat-template prompt with the generation
 prompt, then the response ids and EOS. Loss is cross-entropy on response tokens only, averaged
 over the rank's response tokens (ranks hold equal shares of each batch, and FSDP2 averages
@@ -15,6 +16,7 @@ import json
 import os
 import random
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -29,12 +31,17 @@ from trident.train import fsdp
 Example = tuple[list[int], list[int]]  # token ids, loss mask
 
 
-def encode_example(tokenizer, row: dict, task_name: str = "") -> Example:
+def encode_example(
+    tokenizer, row: dict, task_name: str = "", answer_formats: list[str] = ()
+) -> Example:
     """Token ids and loss mask of one SFT row (see the module docstring for the row shapes)."""
     if "messages" in row:
         return _encode_conversation(tokenizer, row["messages"])
     if "response" in row:
         response = row["response"]
+    elif task_name and answer_formats:
+        fmt = answer_formats[zlib.crc32(row["prompt"].encode()) % len(answer_formats)]
+        response = fmt.format(**row)
     elif task_name:
         response = get_task(task_name).solution(row)
     else:
@@ -85,14 +92,13 @@ def response_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     )
 
 
-def _sft_rank(rank: int, world_size: int, port: int, cfg: TridentConfig, out_dir: str) -> None:
+def _sft_rank(
+    rank: int, world_size: int, port: int, cfg: TridentConfig, examples: list[Example], out_dir: str
+) -> None:
     fsdp.init_distributed(rank, world_size, "127.0.0.1", port)
+    fsdp.set_cpu_threads(cfg.trainer.cpu_threads)
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
-    rows = load_split(cfg.data, "train", cfg.run.seed)
-    examples = [
-        encode_example(tokenizer, r, cfg.data.task if not cfg.data.train_path else "") for r in rows
-    ]
     model = fsdp.shard(load_causal_lm(cfg.model.path, cfg.model.dtype).to(fsdp.device()))
     model.train()
     sc = cfg.sft
@@ -162,13 +168,16 @@ def run_sft(cfg: TridentConfig) -> Path:
     """Fine-tune ``cfg.model.path`` on ``cfg.data``; returns the checkpoint directory."""
     from trident.rollout.vllm_server import free_port
 
+    # Data problems surface here, before any process group or model exists.
+    tokenizer = load_tokenizer(cfg.model.path)
+    rows = load_split(cfg.data, "train", cfg.run.seed)
+    task = "" if cfg.data.train_path else cfg.data.task
+    examples = [encode_example(tokenizer, r, task, cfg.sft.answer_formats) for r in rows]
     out_dir = cfg.sft.output or f"{cfg.derived.run_dir}/model"
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    args = (cfg.sft.num_ranks, free_port(), cfg, examples, out_dir)
     if cfg.sft.num_ranks == 1:
-        _sft_rank(0, 1, port, cfg, out_dir)
+        _sft_rank(0, *args)
     else:
-        torch.multiprocessing.spawn(
-            _sft_rank, args=(cfg.sft.num_ranks, port, cfg, out_dir), nprocs=cfg.sft.num_ranks
-        )
+        torch.multiprocessing.spawn(_sft_rank, args=args, nprocs=cfg.sft.num_ranks)
     return Path(out_dir)
