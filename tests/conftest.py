@@ -36,24 +36,30 @@ def tiny_model(tmp_path_factory) -> str:
     return str(init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0))
 
 
-@pytest.fixture(scope="session")
-def sft_model(tiny_model, tmp_path_factory) -> str:
-    """The tiny model warmed up with SFT on 2-digit addition (the RL starting point)."""
+def _sft(tiny_model: str, run_dir: Path, *overrides: str) -> str:
     from trident.config import load_config
     from trident.train.sft import run_sft
 
-    run_dir = tmp_path_factory.mktemp("sft")
-    cfg = load_config(
-        [],
-        [
-            f"model.path={tiny_model}",
-            f"run.dir={run_dir}",
-            "run.name=sft",
-            "sft.steps=300",
-            "telemetry.progress=false",
-        ],
+    base = [f"model.path={tiny_model}", f"run.dir={run_dir}", "run.name=sft", "sft.steps=300"]
+    base += ["trainer.cpu_threads=1", "telemetry.progress=false"]
+    return str(run_sft(load_config([], [*base, *overrides])))
+
+
+@pytest.fixture(scope="session")
+def sft_model(tiny_model, tmp_path_factory) -> str:
+    """The tiny model warmed up with SFT on 2-digit addition, answering in the required format."""
+    return _sft(tiny_model, tmp_path_factory.mktemp("sft"))
+
+
+@pytest.fixture(scope="session")
+def sft_mixed_model(tiny_model, tmp_path_factory) -> str:
+    """Warmed up on answers in two styles, only one of which the verifier accepts: the RL
+    starting point of the end-to-end tests (reward has somewhere to go within a few steps)."""
+    return _sft(
+        tiny_model,
+        tmp_path_factory.mktemp("sft_mixed"),
+        "sft.answer_formats=['Answer: {answer}', '= {answer}']",
     )
-    return str(run_sft(cfg))
 
 
 def run_cli(

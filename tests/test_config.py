@@ -60,10 +60,16 @@ def test_invalid_combinations_fail_early(overrides, message):
 
 
 def test_presets_fill_only_unset_fields():
-    cfg = load_config([], ["algo.name=dapo"])
-    assert cfg.algo.clip_eps_high == 0.28 and cfg.algo.dynamic_sampling
-    cfg = load_config([], ["algo.name=dapo", "algo.clip_eps_high=0.4"])
-    assert cfg.algo.clip_eps_high == 0.4 and cfg.algo.clip_eps_low == 0.2
+    cfg = load_config([], ["algo.name=gspo"])
+    assert cfg.algo.policy_loss == "gspo" and cfg.algo.clip_eps_high == 4e-4
+    cfg = load_config([], ["algo.name=gspo", "algo.clip_eps_high=0.4"])
+    assert cfg.algo.clip_eps_high == 0.4 and cfg.algo.clip_eps_low == 3e-4
+
+
+def test_features_not_in_the_trainer_are_refused_not_ignored():
+    for preset in ("ppo", "dapo", "reinforce_pp"):
+        with pytest.raises(ConfigError, match="not wired into the trainer yet"):
+            load_config([], [f"algo.name={preset}"])
 
 
 def test_saved_config_round_trips(tmp_path):

@@ -333,6 +333,19 @@ class TridentConfig(Section):
             errors.append(
                 "trainer.mini_batches exceeds the samples per step (pipeline.prompts_per_step * rollout.n)"
             )
+        unavailable = {
+            "algo.use_critic (PPO/GAE)": self.algo.use_critic or self.algo.advantage == "gae",
+            "algo.distill_coef (on-policy distillation)": self.algo.distill_coef > 0,
+            "algo.kl_in_reward": self.algo.kl_in_reward and self.algo.kl_coef > 0,
+            "algo.dynamic_sampling": self.algo.dynamic_sampling,
+            "algo.overlong_penalty": self.algo.overlong_penalty,
+            "algo.advantage=running_baseline": self.algo.advantage == "running_baseline",
+        }
+        for feature, used in unavailable.items():
+            if used:
+                errors.append(
+                    f"{feature} is not wired into the trainer yet (the loss functions exist in trident.algorithms)"
+                )
         if not self.data.task and not self.data.train_path:
             errors.append("no data: set data.task (a built-in task) or data.train_path")
         if errors:

@@ -94,10 +94,15 @@ class PolicyWorker:
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One RL step on ``samples`` (identical on every rank); returns rank-0-reduced metrics."""
         full = collate(samples, self.tokenizer.pad_token_id)
-        adv_all = self.advantages(samples, full)
+        adv_all = self.advantages(samples, full) * self.cfg.algo.reward_coef
         mine = list(range(self.rank, len(samples), self.world))
         batch = collate([samples[i] for i in mine], self.tokenizer.pad_token_id).to(self.device)
         adv = adv_all[mine][:, : batch.mask.shape[1]].to(self.device)
+        if self.cfg.algo.mask_truncated:  # DAPO: truncated samples count in group statistics only
+            truncated = torch.tensor(
+                [samples[i].status == "truncated" for i in mine], device=self.device
+            )
+            batch.mask[truncated] = 0.0
         old_logp, ref_logp = self._recompute(batch)
         sums: dict[str, float] = defaultdict(float)
         chunks = [
