@@ -1,0 +1,966 @@
+"""Bubblewrap backend: how one sandbox is built, started, limited, killed and classified.
+
+Owns the bwrap command line, the resource limits, the wall-clock kill, the output caps, the
+status heuristics, and the in-sandbox agent that serves stateful sessions.
+
+Isolation (one fresh set of namespaces per sandbox)::
+
+    bwrap --unshare-all --unshare-user --uid 65534 --gid 65534 --die-with-parent --new-session
+          --ro-bind /usr (+ /bin /lib* /sbin as on the host) --ro-bind <python prefix>
+          --tmpfs <python prefix>/lib/pythonX.Y/site-packages       (stdlib only, fast start)
+          --ro-bind a generated /etc/passwd, /etc/group; /etc/alternatives, /etc/ld.so.cache
+          --proc /proc --dev /dev --tmpfs /tmp /sandbox /dev/shm (size-capped)
+          --remount-ro / --remount-ro /dev --clearenv --setenv PATH/HOME/LANG/TMPDIR
+          -- prlimit --as --cpu --nproc --fsize --nofile --core=0 -- CMD
+
+- No network (new, empty net namespace), no host processes (new pid namespace), no host files
+  beyond the read-only binds above: not the repository, not /root, not /etc/shadow.
+- ``/sandbox`` (the cwd, HOME) and ``/tmp`` are private tmpfs mounts with a size cap: every run
+  starts from an empty work directory and nothing survives it (``files`` are copied in through
+  memfds by bwrap's ``--file``). That is the per-run temp dir, kept in memory so that a killed
+  sandbox can never leave files behind and a disk-filling program is capped.
+- bwrap itself is started with an empty environment, so ``/proc/1/environ`` inside shows nothing
+  of the host's either.
+
+Running as root (as here): the kernel ignores ``RLIMIT_NPROC`` for the real root user, and a
+``--uid 65534`` inside a bwrap-made user namespace still *is* root outside. So, when root, bwrap
+is exec'd already as uid/gid 65534 (it then uses unprivileged user namespaces), which makes
+the sandboxed processes really uid 65534 and the process limit real. Because the user namespace is
+created first and ``prlimit`` runs inside it, the process count is per sandbox, not shared by all
+concurrent sandboxes. The Python install may sit under a directory 65534 cannot enter
+(``/root/.pyenv``); so one long-lived helper (a ``sleep``) holds a private mount namespace in
+which the prefix is bind-mounted onto a world-readable staging directory, and every bwrap is
+started as ``nsenter --mount=<helper's> setpriv --reuid/--regid 65534 --pdeathsig=KILL bwrap``,
+binding the staged prefix read-only at its original path. The start is a vfork + exec on a small
+pool of spawner threads: its cost does not grow with the host process (a ``preexec_fn`` would
+fork the whole host - tens of ms once torch is loaded) and the event loop never waits on it.
+
+Killing (wall-clock timeout, session close): bwrap reports the pid of the sandbox's init on its
+``--json-status-fd``; we pin it with a pidfd and SIGKILL it, and the kernel then kills everything
+left in the pid namespace (daemons, fork bombs, double-forked children). bwrap itself gets
+PDEATHSIG=SIGKILL from ``setpriv`` (it fires when the *thread* that started bwrap exits: the
+spawner threads live until ``BwrapSandbox.close()``), so a host process killed with SIGKILL
+takes its sandboxes with it; bwrap's ``--die-with-parent`` does the same for the processes
+inside. One gap remains: a host process that dies while one of its sandboxes is being started
+(the few ms before PDEATHSIG is armed) can orphan it; the orphan still has all its rlimits.
+
+Status heuristics (``classify``):
+- ``error``: bwrap missing/failed before the command started (its ``--json-status-fd`` never
+  reported an exit code), or the command does not exist in the sandbox. Nothing the program does
+  can produce ``error``: it is decided from facts the program cannot forge.
+- ``timeout``: our wall-clock deadline fired (the whole sandbox is killed, see above), or the
+  program died of SIGXCPU (CPU-time limit = ``ceil(timeout_s)``).
+- ``oom``: non-zero exit and stderr's tail shows an allocation failure (``MemoryError``,
+  ``Cannot allocate memory``, ``std::bad_alloc``, ``out of memory``). The limit is RLIMIT_AS
+  (address space), so allocations fail rather than the OOM killer firing; a program that dies
+  some other way when out of memory (a C segfault) reads as ``killed``.
+- ``killed``: died of another signal (exit code 128+N as propagated by bwrap). A program that
+  exits 128+N by itself is indistinguishable, and is classified ``killed`` too.
+- ``ok``: anything else, whatever the exit code.
+
+Deliberate simplifications: rlimits, not cgroups (RLIMIT_AS is per process, so a sandbox can use
+at most ``max_processes x memory_mb`` of address space; RLIMIT_CPU is per process); no seccomp
+filter; the sandbox sees the host's /usr read-only (its compilers and shells are available);
+site-packages of the Python install are hidden (stdlib only). Runs are not pre-warmed: a run
+must start from a fresh filesystem and a fresh process, which is what a cold bwrap + prlimit
+start is; a warm shim would add a resident interpreter per slot to save only the namespace set-up
+(see ``benchmarks/sandbox.py``). Sessions, whose agent is a Python process, are pre-warmed by
+``trident.sandbox.pool``. Needs util-linux (``prlimit``, ``setpriv``, ``nsenter``) and Linux >=
+5.3 (pidfds) with unprivileged user namespaces enabled
+(Ubuntu >= 23.10 restricts them through AppArmor: allow bwrap or set
+``kernel.apparmor_restrict_unprivileged_userns=0``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import ctypes
+import functools
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from trident.sandbox import SandboxResult, SandboxStatus, SessionKind
+
+WORK_DIR = "/sandbox"
+_T = TypeVar("_T")
+
+_OOM_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")
+_SIGNAL_CODES = range(129, 129 + 64)
+
+# Linux constants (not all exposed by the os module on 3.11).
+_CLONE_NEWNS = 0x00020000
+_MS_BIND = 0x1000
+_MS_REC = 0x4000
+_MS_PRIVATE = 1 << 18
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class BwrapConfig:
+    """What every sandbox of one ``BwrapSandbox`` gets; per-call limits are arguments of ``run``."""
+
+    python_prefix: str | None = None
+    """The Python install bound read-only into the sandbox; None = ``realpath(sys.base_prefix)``."""
+    hide_site_packages: bool = True
+    """Cover the install's site-packages with an empty tmpfs: stdlib only, faster start."""
+    extra_ro_binds: tuple[str, ...] = ()
+    """More host paths to bind read-only at the same path (must not hold secrets)."""
+    tmpfs_mb: int = 256
+    """Size cap of each of /sandbox, /tmp and /dev/shm (memory-backed), and the max file size."""
+    max_processes: int = 64
+    """RLIMIT_NPROC inside the sandbox (its own user namespace, so counted per sandbox)."""
+    max_open_files: int = 256
+    """RLIMIT_NOFILE."""
+    max_output_bytes: int = 1 << 20
+    """Cap on each of stdout and stderr; the rest is read and discarded, ``truncated`` is set."""
+    sandbox_uid: int = 65534
+    """uid/gid of the sandboxed processes (nobody); also the host uid they run as when root."""
+    setup_timeout_s: float = 20.0
+    """How long bwrap may take to build a sandbox (and a session agent to start) before that
+    counts as an infra error."""
+    kill_grace_s: float = 2.0
+    """After the kill, how long to wait for the output pipes to close before giving up on them."""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def classify(exit_code: int, stderr: str) -> SandboxStatus:
+    """Status of a program that started and ended by itself (see the module docstring)."""
+    if exit_code == 128 + signal.SIGXCPU:
+        return "timeout"
+    if exit_code != 0 and any(m in stderr[-4096:] for m in _OOM_MARKERS):
+        return "oom"
+    if exit_code in _SIGNAL_CODES:
+        return "killed"
+    return "ok"
+
+
+def _check_relpath(path: str) -> str:
+    norm = os.path.normpath(path)
+    if os.path.isabs(norm) or norm == "." or norm.startswith(".."):
+        raise ValueError(f"sandbox file path must be relative and inside the work dir: {path!r}")
+    return norm
+
+
+def _as_bytes(data: str | bytes) -> bytes:
+    return data.encode() if isinstance(data, str) else bytes(data)
+
+
+def run_coroutine_sync(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run ``coro`` to completion from synchronous code, even if this thread has a running loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="trident-sandbox-sync")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class _CappedReader:
+    """Drains one pipe to EOF, keeping the first ``cap`` bytes (host memory stays bounded)."""
+
+    def __init__(self, stream: asyncio.StreamReader, cap: int) -> None:
+        self.chunks: list[bytes] = []
+        self.kept = 0
+        self.truncated = False
+        self._stream = stream
+        self._cap = cap
+
+    async def drain(self) -> None:
+        while chunk := await self._stream.read(65536):
+            room = self._cap - self.kept
+            if len(chunk) > room:
+                self.truncated = True
+                chunk = chunk[:room]
+            if chunk:
+                self.chunks.append(chunk)
+                self.kept += len(chunk)
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode("utf-8", errors="replace")
+
+
+class BwrapSandbox:
+    """Starts bubblewrap sandboxes: one-shot ``run``s and session agents (``start_agent``).
+
+    Thread-safe and loop-agnostic: every call spawns its own processes. Not itself a full
+    ``Sandbox`` (no sessions, no concurrency limit): ``SandboxPool`` wraps it into one.
+    """
+
+    def __init__(self, config: BwrapConfig | None = None) -> None:
+        self.config = config or BwrapConfig()
+        self.bwrap_path = shutil.which("bwrap")
+        self.prlimit_path = shutil.which("prlimit")
+        self.python_prefix = os.path.realpath(self.config.python_prefix or sys.base_prefix)
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        self.python = os.path.join(self.python_prefix, "bin", f"python{version}")
+        if not os.path.exists(self.python):
+            self.python = os.path.join(self.python_prefix, "bin", "python3")
+        self.path_dirs = (
+            os.path.join(self.python_prefix, "bin"),
+            "/usr/local/bin",
+            "/usr/bin",
+            "/bin",
+        )
+        self.setpriv_path = shutil.which("setpriv")
+        self.nsenter_path = shutil.which("nsenter")
+        self._as_root = os.geteuid() == 0
+        self._lock = threading.RLock()
+        self._spawn_threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._runtime_dir: str | None = None
+        self._base_args: list[str] | None = None
+        self._holder: subprocess.Popen | None = None
+        self._cleanup: weakref.finalize | None = None
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def unavailable(self) -> str | None:
+        """Why this host cannot run sandboxes (None when it can)."""
+        if self.bwrap_path is None:
+            return "bwrap not found: install the Debian package 'bubblewrap' (scripts/setup does)"
+        for name, path in (("prlimit", self.prlimit_path), ("setpriv", self.setpriv_path)):
+            if path is None:
+                return f"{name} not found: install util-linux"
+        if self._as_root and (self.nsenter_path is None or shutil.which("sleep") is None):
+            return "nsenter/sleep not found: install util-linux and coreutils"
+        if not os.path.exists(self.python):
+            return f"no Python interpreter at {self.python}"
+        return None
+
+    def _prepare(self) -> list[str]:
+        with self._lock:
+            if self._base_args is None:
+                self._runtime_dir = self._make_runtime_dir()
+                # Removed by close(), or when this object is collected, or at interpreter exit.
+                self._cleanup = weakref.finalize(
+                    self, shutil.rmtree, self._runtime_dir, ignore_errors=True
+                )
+                self._base_args = self._bwrap_args(self._runtime_dir)
+            return self._base_args
+
+    def _make_runtime_dir(self) -> str:
+        # World-readable: bwrap runs as uid 65534 and binds from here.
+        root = tempfile.mkdtemp(prefix="trident-sandbox-")
+        os.chmod(root, 0o755)
+        os.mkdir(os.path.join(root, "python"), 0o755)
+        os.mkdir(os.path.join(root, "etc"), 0o755)
+        uid = self.config.sandbox_uid
+        files = {
+            "passwd": f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{uid}:{uid}:sandbox:{WORK_DIR}:/bin/sh\n",
+            "group": f"root:x:0:\nsandbox:x:{uid}:\n",
+        }
+        for name, text in files.items():
+            with open(os.path.join(root, "etc", name), "w") as f:
+                f.write(text)
+            os.chmod(os.path.join(root, "etc", name), 0o644)
+        return root
+
+    def _bwrap_args(self, runtime_dir: str) -> list[str]:
+        cfg = self.config
+        uid = str(cfg.sandbox_uid)
+        tmpfs_bytes = str(cfg.tmpfs_mb << 20)
+        args = ["--unshare-all", "--unshare-user", "--uid", uid, "--gid", uid]
+        args += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
+        args += ["--ro-bind", "/usr", "/usr"]
+        for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+            if os.path.islink(top):
+                args += ["--symlink", os.readlink(top), top]
+            elif os.path.isdir(top):
+                args += ["--ro-bind", top, top]
+        python_src = os.path.join(runtime_dir, "python") if self._as_root else self.python_prefix
+        args += ["--ro-bind", python_src, self.python_prefix]
+        if cfg.hide_site_packages:
+            base = {"base": self.python_prefix, "platbase": self.python_prefix}
+            sites = {sysconfig.get_path(key, vars=base) for key in ("purelib", "platlib")}
+            for site in sorted(sites):
+                if os.path.isdir(site) and site.startswith(self.python_prefix + os.sep):
+                    args += ["--tmpfs", site]
+        for path in cfg.extra_ro_binds:
+            args += ["--ro-bind", path, path]
+        args += ["--ro-bind", os.path.join(runtime_dir, "etc", "passwd"), "/etc/passwd"]
+        args += ["--ro-bind", os.path.join(runtime_dir, "etc", "group"), "/etc/group"]
+        for path in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime"):
+            args += ["--ro-bind-try", path, path]
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        for mount in ("/tmp", WORK_DIR, "/dev/shm"):
+            args += ["--size", tmpfs_bytes, "--perms", "1777", "--tmpfs", mount]
+        return args
+
+    def _tail_args(self, env: Mapping[str, str] | None) -> list[str]:
+        """Arguments after the mounts: read-only root, cwd and a minimal environment."""
+        args = ["--remount-ro", "/", "--remount-ro", "/dev", "--chdir", WORK_DIR, "--clearenv"]
+        base_env = {
+            "PATH": ":".join(self.path_dirs),
+            "HOME": WORK_DIR,
+            "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        for key, value in {**base_env, **(env or {})}.items():
+            args += ["--setenv", key, value]
+        return args
+
+    def _launcher(self) -> list[str]:
+        """What execs bwrap, from a vfork: ``setpriv`` arms PDEATHSIG (and, as root, drops to the
+        sandbox uid) inside the staging mount namespace, entered with ``nsenter``. Called on a
+        spawner thread (the staging holder's PDEATHSIG follows it)."""
+        setpriv = [self.setpriv_path or "setpriv", "--pdeathsig=KILL"]
+        if not self._as_root:
+            return [*setpriv, "--"]
+        uid = str(self.config.sandbox_uid)
+        setpriv += [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+        holder = self._staging_holder()
+        return [self.nsenter_path or "nsenter", f"--mount=/proc/{holder}/ns/mnt", "--", *setpriv]
+
+    def _staging_holder(self) -> int:
+        """Pid of the process that holds the staging mount namespace: a ``sleep`` started in a
+        private mount namespace where the Python prefix is bound onto the world-readable staging
+        directory. Started once (one fork of the host process), restarted if it died; an
+        unreaped holder keeps its pid, so a dead holder can never be confused with another
+        process."""
+        with self._lock:
+            if self._holder is not None and self._holder.poll() is None:
+                return self._holder.pid
+            assert self._runtime_dir is not None
+            prefix = self.python_prefix.encode()
+            stage = os.path.join(self._runtime_dir, "python").encode()
+            libc = _libc()
+
+            def stage_prefix() -> None:
+                if libc.unshare(_CLONE_NEWNS) != 0:
+                    raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+                if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+                    raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+                if libc.mount(prefix, stage, None, _MS_BIND | _MS_REC, None) != 0:
+                    raise OSError(ctypes.get_errno(), "bind-mount the Python prefix")
+                if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+                    raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+
+            self._holder = subprocess.Popen(
+                [shutil.which("sleep") or "sleep", "infinity"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={},
+                preexec_fn=stage_prefix,
+            )
+            return self._holder.pid
+
+    def _resolve(self, argv0: str, files: Mapping[str, Any]) -> str | None:
+        """Whether ``argv0`` exists in the sandbox (its tree is host paths, so check on the host)."""
+        if "/" not in argv0:
+            for d in self.path_dirs:
+                if os.access(os.path.join(d, argv0), os.X_OK):
+                    return None
+            return f"command not found in the sandbox: {argv0!r}"
+        if not os.path.isabs(argv0) or argv0.startswith(WORK_DIR + "/"):
+            rel = os.path.relpath(os.path.join(WORK_DIR, argv0), WORK_DIR)
+            return None if rel in files else f"command not found in the sandbox: {argv0!r}"
+        return None if os.path.exists(argv0) else f"command not found in the sandbox: {argv0!r}"
+
+    async def _spawn(
+        self, argv: list[str], pass_fds: tuple[int, ...], status_r: int, limit: int = 1 << 16
+    ) -> _Bwrap:
+        """Start bwrap (``argv``). The ``pass_fds`` are closed here once the child holds them; on
+        success the returned ``_Bwrap`` owns ``status_r``, on failure the caller still does.
+
+        The spawn is a vfork + exec (no ``preexec_fn``: a fork of a host process that has torch
+        loaded costs tens of ms) and runs on the backend's spawner threads, so the event loop
+        never waits for it. bwrap's PDEATHSIG follows the spawner thread, which lives until
+        ``close()``.
+        """
+        loop = asyncio.get_running_loop()
+
+        def start() -> subprocess.Popen:
+            return subprocess.Popen(
+                [*self._launcher(), *argv],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=pass_fds,
+                env={},  # bwrap's own environ is readable in /proc/1/environ inside: keep it empty
+                start_new_session=True,
+            )
+
+        started = loop.run_in_executor(self._spawner(), start)
+        try:
+            proc = await asyncio.shield(started)
+        except asyncio.CancelledError:  # it may still start: wait for it and stop it
+            await self._stop_started(started, status_r)
+            raise
+        finally:
+            # Our copies would keep the status pipe open after bwrap exits; close them once the
+            # child holds its own (not before: the fork may still be running on its thread).
+            if started.done():
+                _close_all(pass_fds)
+            else:
+                started.add_done_callback(lambda _: _close_all(pass_fds))
+        return await _Bwrap.attach(proc, status_r, limit)
+
+    async def _stop_started(self, started: asyncio.Future[subprocess.Popen], status_r: int) -> None:
+        """Stop a bwrap whose start completes after its caller was cancelled (so that a closing
+        pool, say, leaves nothing behind)."""
+        try:
+            proc = await started
+        except Exception:
+            os.close(status_r)
+            return
+        sandbox = await _Bwrap.attach(proc, status_r, 1 << 16)
+        await sandbox.stop(self.config.setup_timeout_s, self.config.kill_grace_s)
+        sandbox.close_pipes()
+
+    def _spawner(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._spawn_threads is None:
+                self._spawn_threads = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=max(2, min(8, os.cpu_count() or 1)),
+                    thread_name_prefix="trident-sandbox-spawn",
+                )
+            return self._spawn_threads
+
+    # -- one-shot runs -----------------------------------------------------------------------
+
+    def run(
+        self,
+        cmd: list[str],
+        *,
+        stdin: str | bytes = b"",
+        files: Mapping[str, str | bytes] | None = None,
+        timeout_s: float = 10.0,
+        memory_mb: int = 1024,
+        env: Mapping[str, str] | None = None,
+    ) -> SandboxResult:
+        """Synchronous ``run_async`` (for the CLI and scripts)."""
+        return run_coroutine_sync(
+            self.run_async(
+                cmd, stdin=stdin, files=files, timeout_s=timeout_s, memory_mb=memory_mb, env=env
+            )
+        )
+
+    async def run_async(
+        self,
+        cmd: list[str],
+        *,
+        stdin: str | bytes = b"",
+        files: Mapping[str, str | bytes] | None = None,
+        timeout_s: float = 10.0,
+        memory_mb: int = 1024,
+        env: Mapping[str, str] | None = None,
+    ) -> SandboxResult:
+        """Run ``cmd`` once in a fresh sandbox; see ``trident.sandbox.Sandbox.run``."""
+        if not cmd:
+            raise ValueError("empty command")
+        if timeout_s <= 0 or memory_mb <= 0:
+            raise ValueError("timeout_s and memory_mb must be positive")
+        files = {_check_relpath(k): _as_bytes(v) for k, v in (files or {}).items()}
+        problem = self.unavailable() or self._resolve(cmd[0], files)
+        if problem:
+            return SandboxResult.infra_error(problem)
+        base = self._prepare()
+        cfg = self.config
+        cpu_s = max(1, math.ceil(timeout_s))
+        limits = [
+            f"--as={memory_mb << 20}",
+            f"--cpu={cpu_s}:{cpu_s + 1}",
+            f"--nproc={cfg.max_processes}",
+            f"--fsize={cfg.tmpfs_mb << 20}",
+            f"--nofile={cfg.max_open_files}",
+            "--core=0",
+        ]
+        child_fds: list[int] = []
+        status_r = -1
+        try:
+            status_r, status_w = os.pipe()
+            child_fds.append(status_w)
+            file_args: list[str] = []
+            for rel in sorted(files):
+                parent = os.path.dirname(rel)
+                if parent:
+                    file_args += ["--dir", f"{WORK_DIR}/{parent}"]
+                fd = os.memfd_create("sandbox-file")
+                child_fds.append(fd)
+                view = memoryview(files[rel])
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.lseek(fd, 0, os.SEEK_SET)
+                file_args += ["--perms", "0755", "--file", str(fd), f"{WORK_DIR}/{rel}"]
+            argv = [self.bwrap_path, *base, "--json-status-fd", str(status_w), *file_args]
+            argv += [*self._tail_args(env), "--", self.prlimit_path, *limits, "--", *cmd]
+            start = time.monotonic()
+            fds, child_fds = tuple(child_fds), []  # _spawn closes them
+            sandbox = await self._spawn(argv, fds, status_r)
+        except Exception as exc:  # OSError, or SubprocessError for a failed preexec
+            for fd in [*child_fds, status_r]:
+                if fd >= 0:
+                    os.close(fd)
+            return SandboxResult.infra_error(f"sandbox failed to start: {exc}")
+        return await self._execute(sandbox, _as_bytes(stdin), timeout_s, start)
+
+    async def _execute(
+        self, sandbox: _Bwrap, stdin: bytes, timeout_s: float, start: float
+    ) -> SandboxResult:
+        """Feed, drain, wait (wall-clock limit), stop and classify one run."""
+        cap = self.config.max_output_bytes
+        out, err = _CappedReader(sandbox.stdout, cap), _CappedReader(sandbox.stderr, cap)
+        readers = [asyncio.ensure_future(out.drain()), asyncio.ensure_future(err.drain())]
+        feeder = asyncio.ensure_future(_feed(sandbox.stdin, stdin))
+        finished = False
+        try:
+            finished = await sandbox.wait(timeout_s)
+        finally:
+            duration = time.monotonic() - start
+            feeder.cancel()
+            await asyncio.shield(
+                sandbox.stop(self.config.setup_timeout_s, self.config.kill_grace_s)
+            )
+            _done, pending = await asyncio.wait(readers, timeout=self.config.kill_grace_s)
+            for task in pending:
+                task.cancel()
+            sandbox.close_pipes()
+        stdout, stderr = out.text(), err.text()
+        truncated = out.truncated or err.truncated
+        if not finished:
+            return SandboxResult("timeout", None, stdout, stderr, duration, truncated)
+        if sandbox.exit_code is None:
+            message = stderr.strip() or "bwrap exited before the command started"
+            return SandboxResult.infra_error(f"sandbox setup failed: {message}", duration)
+        exit_code = sandbox.exit_code
+        return SandboxResult(
+            classify(exit_code, stderr), exit_code, stdout, stderr, duration, truncated
+        )
+
+    # -- session agents ----------------------------------------------------------------------
+
+    async def start_agent(self) -> AgentProcess:
+        """Start a session sandbox running the agent (Python REPL + bash); wait until it is ready.
+
+        Raises ``RuntimeError`` when the sandbox cannot start (infra).
+        """
+        problem = self.unavailable()
+        if problem:
+            raise RuntimeError(problem)
+        base = self._prepare()
+        cap = self.config.max_output_bytes
+        status_r, status_w = os.pipe()
+        argv = [self.bwrap_path, *base, "--json-status-fd", str(status_w)]
+        argv += [*self._tail_args(None), "--", self.python, "-I", "-S", "-c", _AGENT_SOURCE]
+        try:
+            # A reply line holds two capped streams, JSON-escaped (up to 6 bytes per input byte).
+            sandbox = await self._spawn(argv, (status_w,), status_r, limit=12 * cap + (1 << 16))
+        except Exception as exc:
+            os.close(status_r)
+            raise RuntimeError(f"session sandbox failed to start: {exc}") from exc
+        agent = AgentProcess(sandbox, self.config)
+        try:
+            await agent.wait_ready(self.config.setup_timeout_s)
+        except BaseException:  # includes cancellation: never leave a half-started sandbox
+            await asyncio.shield(agent.kill())
+            raise
+        return agent
+
+    def close(self) -> None:
+        """Stop the spawner threads (which kills any sandbox still running, via PDEATHSIG) and
+        remove the runtime directory (staging mount point, generated /etc files)."""
+        with self._lock:
+            threads, self._spawn_threads = self._spawn_threads, None
+            holder, self._holder = self._holder, None
+            if self._cleanup is not None:
+                self._cleanup()
+            self._runtime_dir = None
+            self._base_args = None
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+        if threads is not None:
+            threads.shutdown(wait=False)
+
+
+async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
+    with contextlib.suppress(ConnectionError, BrokenPipeError):
+        if data:
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+
+def _close_all(fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _pidfd_open(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+
+
+class _Bwrap:
+    """One started bwrap: its pipes, its ``--json-status-fd`` records, and a complete stop.
+
+    bwrap writes ``{"child-pid": N}`` right after cloning the sandbox's first process (the init of
+    its pid namespace) and ``{"exit-code": N}`` only if the command was exec'd. The init is pinned
+    with a pidfd as soon as it is named, and ``stop`` SIGKILLs it (then bwrap): when a pid
+    namespace's init dies the kernel kills everything in it. Killing bwrap alone is not enough
+    while the sandbox is being built - bwrap arms ``--die-with-parent`` in the init only after the
+    mounts, so a bwrap killed earlier would orphan a half-built sandbox. bwrap's exit is observed
+    through a pidfd, and it is reaped here (no asyncio child watcher, no thread per process).
+    """
+
+    def __init__(self, proc: subprocess.Popen, status_r: int) -> None:
+        self.proc = proc
+        self.exit_code: int | None = None
+        self.stdin: asyncio.StreamWriter
+        self.stdout: asyncio.StreamReader
+        self.stderr: asyncio.StreamReader
+        self._transports: list[asyncio.BaseTransport] = []
+        self._loop = asyncio.get_running_loop()
+        self._status_r: int | None = status_r
+        self._buf = b""
+        self._init_pidfd: int | None = None
+        self._named = asyncio.Event()  # the init's pid is known, or bwrap is gone
+        self._exited: asyncio.Future[None] = self._loop.create_future()
+        os.set_blocking(status_r, False)
+        self._loop.add_reader(status_r, self._read_status)
+        self._bwrap_pidfd = _pidfd_open(proc.pid)
+        if self._bwrap_pidfd is None:
+            self._on_exit()
+        else:
+            self._loop.add_reader(self._bwrap_pidfd, self._on_exit)
+
+    @classmethod
+    async def attach(cls, proc: subprocess.Popen, status_r: int, limit: int) -> _Bwrap:
+        """Wrap a started bwrap and connect its pipes to this event loop."""
+        self = cls(proc, status_r)
+        loop = self._loop
+        assert proc.stdin and proc.stdout and proc.stderr
+        try:
+            streams = []
+            for pipe in (proc.stdout, proc.stderr):
+                reader = asyncio.StreamReader(limit=limit)
+                transport, _ = await loop.connect_read_pipe(
+                    lambda r=reader: asyncio.StreamReaderProtocol(r), pipe
+                )
+                self._transports.append(transport)
+                streams.append(reader)
+            self.stdout, self.stderr = streams
+            transport, protocol = await loop.connect_write_pipe(
+                lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), proc.stdin
+            )
+            self._transports.append(transport)
+            self.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+        except BaseException:
+            proc.stdin.close()
+            await asyncio.shield(self.stop(0.0, 1.0))
+            self.close_pipes()
+            raise
+        return self
+
+    @property
+    def running(self) -> bool:
+        return not self._exited.done()
+
+    def _on_exit(self) -> None:
+        if self._bwrap_pidfd is not None:
+            self._loop.remove_reader(self._bwrap_pidfd)
+        self._read_status()  # bwrap wrote its records before exiting
+        self.proc.poll()  # reap it
+        if not self._exited.done():
+            self._exited.set_result(None)
+        self._named.set()
+
+    def _read_status(self) -> None:
+        while self._status_r is not None:
+            try:
+                chunk = os.read(self._status_r, 65536)
+            except BlockingIOError:
+                return
+            if not chunk:  # every writer is gone
+                self._close_status()
+                self._named.set()
+                return
+            *lines, self._buf = (self._buf + chunk).split(b"\n")
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if "child-pid" in record and self._init_pidfd is None and self.running:
+                    self._init_pidfd = _pidfd_open(int(record["child-pid"]))
+                    self._named.set()
+                if "exit-code" in record:
+                    self.exit_code = int(record["exit-code"])
+
+    def _close_status(self) -> None:
+        if self._status_r is not None:
+            self._loop.remove_reader(self._status_r)
+            os.close(self._status_r)
+            self._status_r = None
+
+    async def wait(self, timeout_s: float | None) -> bool:
+        """Wait for bwrap to exit (the command ended, or the sandbox died); False on timeout."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._exited), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop(self, setup_timeout_s: float, grace_s: float) -> None:
+        """Kill the sandbox and everything in it, reap bwrap, release every fd. Idempotent."""
+        if self.running and not self._named.is_set():
+            # Being built: wait until the init is named (or bwrap gives up) before killing.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._named.wait(), setup_timeout_s)
+        if self._init_pidfd is not None:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self._init_pidfd, signal.SIGKILL)
+            await self.wait(grace_s)  # bwrap reaps its init and exits: no orphaned zombie
+        if self.running:
+            self.proc.kill()  # Popen checks that it has not been reaped (no pid reuse)
+            await self.wait(grace_s)
+        self._close_status()
+        for fd in (self._init_pidfd, self._bwrap_pidfd):
+            if fd is not None:
+                os.close(fd)
+        self._init_pidfd = self._bwrap_pidfd = None
+        if hasattr(self, "stdin"):
+            self.stdin.close()
+
+    def close_pipes(self) -> None:
+        """Close our ends of stdin/stdout/stderr (after ``stop`` and after reading them)."""
+        for transport in self._transports:
+            transport.close()
+
+
+class AgentProcess:
+    """Host side of one session sandbox: JSON lines over the agent's stdin/stdout.
+
+    Protocol (one object per line): the agent says ``{"ready": true}``; the host sends
+    ``{"op": "init", ...limits}`` once, then ``{"op": "exec", "kind", "code", "max_output"}``;
+    each gets one reply ``{"exit_code", "stdout", "stderr", "truncated"}``. Calls are sequential
+    (the caller serialises them). The agent's own stderr is kept (capped) for diagnostics.
+    """
+
+    def __init__(self, sandbox: _Bwrap, config: BwrapConfig) -> None:
+        self.sandbox = sandbox
+        self.config = config
+        self._diag = _CappedReader(sandbox.stderr, 1 << 16)
+        self._diag_task = asyncio.ensure_future(self._diag.drain())
+
+    @property
+    def alive(self) -> bool:
+        return self.sandbox.running
+
+    @property
+    def pid(self) -> int:
+        return self.sandbox.proc.pid
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        try:
+            line = await asyncio.wait_for(self.sandbox.stdout.readline(), timeout_s)
+        except TimeoutError:
+            line = b""
+        if not line.startswith(b'{"ready"'):
+            await self.kill()
+            raise RuntimeError(f"session sandbox failed to start: {self._diag.text().strip()}")
+
+    async def init(self, memory_mb: int) -> None:
+        """Apply the session's limits inside the sandbox (before any untrusted code runs)."""
+        cfg = self.config
+        request = {
+            "op": "init",
+            "as_bytes": memory_mb << 20,
+            "nproc": cfg.max_processes,
+            "nofile": cfg.max_open_files,
+            "fsize": cfg.tmpfs_mb << 20,
+        }
+        try:
+            reply = await self._call(request, cfg.setup_timeout_s)
+        except TimeoutError:
+            reply = None
+        if reply is None or not reply.get("ok"):
+            await self.kill()
+            raise RuntimeError(f"session sandbox failed to apply limits: {self._diag.text()}")
+
+    async def exec(self, code: str, kind: SessionKind, timeout_s: float) -> SandboxResult:
+        """Run one call; a timeout or a dead agent kills the sandbox (the caller closes the session)."""
+        start = time.monotonic()
+        request = {
+            "op": "exec",
+            "kind": kind,
+            "code": code,
+            "max_output": self.config.max_output_bytes,
+        }
+        try:
+            reply = await self._call(request, timeout_s)
+        except TimeoutError:
+            await self.kill()
+            return SandboxResult("timeout", None, "", "", time.monotonic() - start)
+        duration = time.monotonic() - start
+        if reply is None:  # the agent died: the code killed it (os._exit, a signal, ...)
+            await self.kill()
+            return SandboxResult("killed", self.sandbox.exit_code, "", "", duration)
+        exit_code = int(reply["exit_code"])
+        stdout, stderr = reply["stdout"], reply["stderr"]
+        return SandboxResult(
+            classify(exit_code, stderr), exit_code, stdout, stderr, duration, reply["truncated"]
+        )
+
+    async def _call(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+        if not self.alive:
+            return None
+        try:
+            self.sandbox.stdin.write(json.dumps(request).encode() + b"\n")
+            await self.sandbox.stdin.drain()
+        except (ConnectionError, BrokenPipeError):
+            return None
+        try:
+            line = await asyncio.wait_for(self.sandbox.stdout.readline(), timeout_s)
+        except ValueError:  # reply longer than the stream limit: cannot happen with capped output
+            return None
+        if not line:
+            return None
+        return json.loads(line)
+
+    async def kill(self) -> None:
+        """Kill the sandbox (and everything in it). Idempotent."""
+        cfg = self.config
+        await self.sandbox.stop(cfg.setup_timeout_s, cfg.kill_grace_s)
+        await asyncio.wait([self._diag_task], timeout=cfg.kill_grace_s)
+        self._diag_task.cancel()
+        self.sandbox.close_pipes()
+
+
+# The session agent: runs inside the sandbox as `python -I -S -c _AGENT_SOURCE`. It keeps the
+# protocol on private duplicates of fds 0/1, points fds 0/1/2 at /dev/null and two memfds that
+# capture each call's output (Python `print`, child processes and bash alike), runs Python code
+# in one persistent namespace (echoing the value of a trailing expression, like a REPL) and bash
+# code in one persistent `bash` (sourced from a file, so syntax errors cannot desynchronise it).
+_AGENT_SOURCE = r"""
+import ast, json, os, resource, signal, sys
+
+def main():
+    req = os.fdopen(os.dup(0), "rb")
+    resp = os.dup(1)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 0)
+    out_fd, err_fd = os.memfd_create("stdout"), os.memfd_create("stderr")
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    state = {"ns": {"__name__": "__main__", "__builtins__": __builtins__}, "bash": None}
+
+    def send(obj):
+        data = (json.dumps(obj) + "\n").encode()
+        while data:
+            data = data[os.write(resp, data):]
+
+    send({"ready": True})
+    for line in req:
+        msg = json.loads(line)
+        if msg["op"] == "init":
+            for res, key in ((resource.RLIMIT_AS, "as_bytes"), (resource.RLIMIT_NPROC, "nproc"),
+                             (resource.RLIMIT_NOFILE, "nofile"), (resource.RLIMIT_FSIZE, "fsize")):
+                resource.setrlimit(res, (msg[key], msg[key]))
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            send({"ok": True})
+            continue
+        for fd in (1, 2):
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, 0)
+        if msg["kind"] == "bash":
+            code = run_bash(state, msg["code"])
+        else:
+            code = run_python(state["ns"], msg["code"])
+        cap = msg["max_output"]
+        texts, truncated = [], False
+        for fd in (1, 2):
+            size = os.fstat(fd).st_size
+            truncated = truncated or size > cap
+            texts.append(os.pread(fd, min(size, cap), 0).decode("utf-8", "replace"))
+        send({"exit_code": code, "stdout": texts[0], "stderr": texts[1], "truncated": truncated})
+
+def run_python(ns, code):
+    exit_code = 0
+    try:
+        tree = ast.parse(code, "<session>", "exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+            ast.fix_missing_locations(last)
+        exec(compile(tree, "<session>", "exec"), ns)
+        if last is not None:
+            value = eval(compile(last, "<session>", "eval"), ns)
+            if value is not None:
+                print(repr(value))
+    except SystemExit as exc:
+        exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException as exc:
+        import traceback
+        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        exit_code = 1
+    finally:
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+    return exit_code
+
+def run_bash(state, code):
+    import subprocess
+    if state["bash"] is None:
+        status_r, status_w = os.pipe()
+        proc = subprocess.Popen(["bash", "--noprofile", "--norc"], stdin=subprocess.PIPE,
+                                pass_fds=(status_w,), cwd=os.getcwd())
+        os.close(status_w)
+        state["bash"] = (proc, os.fdopen(status_r, "rb"), status_w)
+    proc, status, status_w = state["bash"]
+    path = "/tmp/.trident-session-cmd.sh"
+    with open(path, "w") as f:
+        f.write(code + "\n")
+    try:
+        proc.stdin.write(("source %s </dev/null; printf '%%d\\n' $? >&%d\n" % (path, status_w)).encode())
+        proc.stdin.flush()
+        line = status.readline()
+    except BrokenPipeError:
+        line = b""
+    if line.strip():
+        return int(line)
+    rc = proc.wait()
+    state["bash"] = None
+    return rc if rc >= 0 else 128 - rc
+
+main()
+"""
