@@ -8,6 +8,7 @@ disjoint by a hash of the prompt.
 - ``arithmetic``: ``a+b`` (or ``a-b``, ``a*b``) on numbers of ``digits`` digits.
 - ``countdown``: reach a target with given numbers, each used at most once, with + - * and
   parentheses (the search-style task of TinyZero); the verifier evaluates the expression safely.
+- ``code``: write a tiny program; the verifier runs it against unit tests in the sandbox.
 """
 
 from __future__ import annotations
@@ -129,7 +130,36 @@ class Countdown:
         return float(value == int(row["answer"]))
 
 
-TASKS: dict[str, Task] = {"arithmetic": Arithmetic(), "countdown": Countdown()}
+@dataclass
+class Code:
+    """Tiny programs: read an integer ``n`` from stdin and print ``a*n+b``. The response is a
+    Python program (fenced or raw); it is run in the sandbox against three stdin/stdout cases
+    and scores the fraction passed. A sandbox failure raises ``InfraError`` (never a zero)."""
+
+    name: str = "code"
+
+    def make_row(self, rng: random.Random, index: int) -> dict[str, Any]:
+        a, b = rng.randint(2, 9), rng.randint(0, 99)
+        inputs = rng.sample(range(-50, 100), 3)
+        return {
+            "prompt": f"read n, print {a}*n+{b}",
+            "answer": f"{a}*n+{b}",
+            "tests": [{"input": str(n), "output": str(a * n + b)} for n in inputs],
+        }
+
+    def solution(self, row: dict[str, Any]) -> str:
+        return f"```python\nn = int(input())\nprint({row['answer']})\n```"
+
+    def verify(self, response: str, row: dict[str, Any]) -> float:
+        import asyncio
+
+        from trident.rewards.code import code_reward
+
+        # Called from a worker thread (rewards run off the event loop), so a private loop is fine.
+        return asyncio.run(code_reward(response, tests=row["tests"], mode="fraction")) or 0.0
+
+
+TASKS: dict[str, Task] = {"arithmetic": Arithmetic(), "countdown": Countdown(), "code": Code()}
 
 
 def get_task(name: str) -> Task:
