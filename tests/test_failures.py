@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -14,38 +15,32 @@ import pytest
 from tests.conftest import REPO
 from trident.rollout.vllm_server import ServerStartError, VLLMServer
 
-PATTERNS = (
-    "vllm.entrypoints",
-    "raylet",
-    "gcs_server",
-    "ray::",
-    "default_worker.py",
-    "PolicyWorker",
-)
 
-
-def _run_processes() -> set[int]:
+def _tagged_processes(tag: str) -> set[int]:
+    """Processes whose environment carries ``TRIDENT_TEST_TAG=tag``: the run's own driver, Ray
+    processes, trainer actors and vLLM servers all inherit it; nothing else on the machine has it."""
+    needle = f"TRIDENT_TEST_TAG={tag}".encode()
     pids = set()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if not entry.name.isdigit():
             continue
         try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":  # zombies hold no resources; pid 1 reaps them in its own time
+                    pids.add(int(entry.name))
         except OSError:
             continue
-        if any(p in cmd for p in PATTERNS):
-            pids.add(int(entry.name))
     return pids
 
 
-def _wait_gone(before: set[int], timeout: float = 60) -> set[int]:
+def _wait_gone(tag: str, timeout: float = 60) -> set[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        left = _run_processes() - before
-        if not left:
-            return left
+        if not _tagged_processes(tag):
+            return set()
         time.sleep(1)
-    return _run_processes() - before
+    return _tagged_processes(tag)
 
 
 def test_server_that_fails_to_start_reports_its_log(tmp_path):
@@ -70,12 +65,17 @@ def _train_cmd(model: str, run_dir: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _env(tag: str) -> dict[str, str]:
+    return {**os.environ, "TRIDENT_TEST_TAG": tag}
+
+
 def test_exception_mid_run_leaves_no_process(tiny_model, tmp_path):
-    before = _run_processes()
+    tag = uuid.uuid4().hex
     # An impossible tolerance makes the first weight-sync verification fail: an exception raised
     # after the servers and the trainer are up.
     r = subprocess.run(
         _train_cmd(tiny_model, tmp_path, "sync.tolerance=1e-30"),
+        env=_env(tag),
         capture_output=True,
         text=True,
         timeout=600,
@@ -83,13 +83,14 @@ def test_exception_mid_run_leaves_no_process(tiny_model, tmp_path):
     )
     assert r.returncode == 2, r.stderr[-3000:]
     assert "error: " in r.stderr and "probe" in r.stderr.strip().splitlines()[-1]
-    assert _wait_gone(before) == set()
+    assert _wait_gone(tag) == set()
 
 
 def test_ctrl_c_leaves_no_process(tiny_model, tmp_path):
-    before = _run_processes()
+    tag = uuid.uuid4().hex
     proc = subprocess.Popen(
         _train_cmd(tiny_model, tmp_path),
+        env=_env(tag),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -106,4 +107,4 @@ def test_ctrl_c_leaves_no_process(tiny_model, tmp_path):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:]
-    assert _wait_gone(before) == set()
+    assert _wait_gone(tag) == set()

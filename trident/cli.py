@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _plugins() -> list[Callable]:
     """Subcommands that live with their component."""
     registers = []
-    for module in ("trident.sandbox.cli", "trident.pipeline.cli"):
+    for module in ("trident.sandbox.cli", "trident.pipeline.cli", "trident.envs.cli"):
         try:
             registers.append(__import__(module, fromlist=["register"]).register)
         except ModuleNotFoundError as e:

@@ -139,7 +139,7 @@ class Code:
     name: str = "code"
 
     def make_row(self, rng: random.Random, index: int) -> dict[str, Any]:
-        a, b = rng.randint(2, 9), rng.randint(0, 99)
+        a, b = rng.randint(2, 9), rng.randint(0, 999)
         inputs = rng.sample(range(-50, 100), 3)
         return {
             "prompt": f"read n, print {a}*n+{b}",

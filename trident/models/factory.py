@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trident.data.tasks import TASKS, generate_split
+from trident.envs import demonstration_texts
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -80,6 +81,11 @@ def _corpus(num_rows: int = 3000) -> list[str]:
             texts.append(f"user\n{row['prompt']}")
             texts.append(f"assistant\n{task.solution(row)}")
     texts += ["system", "user", "assistant", "tool", "Answer:", '{"name": "calc", "arguments": {}}']
+    texts += [
+        "You may call tools. Available tools:",
+        'Call one with {"name": NAME, "arguments": ARGS}.',
+    ]
+    texts += demonstration_texts()  # tool schemas and calls: fewer tokens per agentic prompt
     return texts
 
 

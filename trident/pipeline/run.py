@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from trident.cluster.ray_cluster import RolloutFleet, init_ray
+from trident.config import save_config
 from trident.telemetry.metrics import MetricsLogger
 from trident.train.group import TrainerGroup
 
@@ -52,6 +53,7 @@ def run_train(cfg: Any) -> dict[str, Any]:
     module, name = DRIVERS[cfg.pipeline.mode].split(":")
     driver = getattr(importlib.import_module(module), name)
     run_dir = Path(cfg.derived.run_dir)
+    save_config(cfg, run_dir)  # the run directory is complete whatever started the run
     log = MetricsLogger(
         run_dir, cfg.telemetry.tensorboard, cfg.telemetry.wandb_project, cfg.model_dump(mode="json")
     )

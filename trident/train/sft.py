@@ -36,7 +36,7 @@ def encode_example(
 ) -> Example:
     """Token ids and loss mask of one SFT row (see the module docstring for the row shapes)."""
     if "messages" in row:
-        return _encode_conversation(tokenizer, row["messages"])
+        return _encode_conversation(tokenizer, row["messages"], row.get("tools"))
     if "response" in row:
         response = row["response"]
     elif task_name and answer_formats:
@@ -51,14 +51,16 @@ def encode_example(
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
 
-def _encode_conversation(tokenizer, messages: list[dict]) -> Example:
+def _encode_conversation(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None
+) -> Example:
     ids: list[int] = []
     mask: list[int] = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = encode_chat(tokenizer, messages[:i], add_generation_prompt=True)
-        after = encode_chat(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        before = encode_chat(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        after = encode_chat(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         common = 0
         while common < min(len(before), len(after)) and before[common] == after[common]:
             common += 1

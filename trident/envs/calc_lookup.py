@@ -1,0 +1,131 @@
+"""A multi-step tool environment where success requires the tools.
+
+Each row carries a small corpus of random values (``{"K7": "41", "M2": "27", ...}``) and asks
+``What is K7 times M2?``. The values exist only in the corpus, so the model must ``lookup`` both
+keys (in parallel or one per turn), then ``calc`` the result (a tiny model cannot multiply two
+two-digit numbers reliably) and finish with ``Answer: <value>``. Reward: 1.0 for the right
+answer in the turn that ends the episode (a turn without tool calls), else 0.0.
+
+``make_rows`` writes rows with the prompt fields the env reads, the tool schemas (``tools``) and
+a ``messages`` demonstration (a correct tool-using conversation, tool outputs produced by the
+same tool functions) that teaches the model the tool-call format with ``trident sft``.
+Deliberate simplification: a row's corpus is tiny (four entries, two of them distractors).
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from collections.abc import Sequence
+from typing import Any
+
+from trident.agent.parsers import AssistantTurn
+from trident.agent.tools import Tool, ToolResult, ToolSet, tool
+from trident.data.tasks import extract_answer, generate_split, safe_eval_expression
+from trident.envs import Message, StepResult
+from trident.models.load import prompt_messages
+
+OPERATIONS = {"plus": "+", "minus": "-", "times": "*"}
+KEYS = [f"{letter}{digit}" for letter in string.ascii_uppercase for digit in range(1, 10)]
+
+
+def calc(expression: str) -> str:
+    """Evaluate integer arithmetic with + - * and parentheses."""
+    result = safe_eval_expression(expression)
+    if result is None:
+        raise ValueError("only integers, + - * and parentheses are allowed")
+    return str(result[0])
+
+
+def lookup_tool(corpus: dict[str, str]) -> Tool:
+    def lookup(key: str) -> str:
+        """Look up the value of a key in the corpus."""
+        if key not in corpus:
+            raise ValueError(f"no entry {key}")
+        return corpus[key]
+
+    return tool(lookup)
+
+
+class CalcLookupEnv:
+    """Look two values up in the row's corpus, combine them with the calculator."""
+
+    def __init__(self, tools: Sequence[Tool] = ()) -> None:
+        self.extra_tools = list(tools)  # replace built-ins by name (e.g. an MCP lookup)
+        self.tools = ToolSet()
+        self.answer = ""
+
+    async def reset(self, row: dict[str, Any]) -> list[Message]:
+        self.answer = str(row["answer"])
+        self.tools = ToolSet([lookup_tool(row["corpus"]), tool(calc), *self.extra_tools])
+        return prompt_messages(row["prompt"])
+
+    async def step(self, turn: AssistantTurn, results: list[ToolResult]) -> StepResult:
+        if turn.tool_calls:
+            return StepResult()
+        got = extract_answer(turn.content)
+        return StepResult(reward=float(got is not None and got.strip() == self.answer), done=True)
+
+    async def close(self) -> None:
+        pass
+
+
+def _call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _tool_message(name: str, content: str) -> Message:
+    return {"role": "tool", "name": name, "content": content}
+
+
+class CalcLookupTask:
+    """Row generator in the shape of ``trident.data.tasks.Task`` (reuses ``generate_split``)."""
+
+    name = "calc_lookup"
+
+    def make_row(self, rng: random.Random, index: int) -> dict[str, Any]:
+        keys = rng.sample(KEYS, 4)
+        corpus = {k: str(rng.randint(10, 99)) for k in keys}
+        a, b = keys[:2]
+        word = rng.choice(list(OPERATIONS))
+        expression = f"{corpus[a]}{OPERATIONS[word]}{corpus[b]}"
+        answer = calc(expression)
+        row = {"prompt": f"What is {a} {word} {b}?", "answer": answer, "corpus": corpus}
+        row["tools"] = ToolSet([lookup_tool(corpus), tool(calc)]).schemas()
+        row["messages"] = self.demonstration(row, a, b, expression, parallel=rng.random() < 0.5)
+        return row
+
+    def demonstration(
+        self, row: dict[str, Any], a: str, b: str, expression: str, parallel: bool
+    ) -> list[Message]:
+        corpus = row["corpus"]
+        messages = prompt_messages(row["prompt"])
+        lookups = [_call("lookup", {"key": k}) for k in (a, b)]
+        results = [_tool_message("lookup", corpus[k]) for k in (a, b)]
+        if parallel:
+            messages += [{"role": "assistant", "content": "", "tool_calls": lookups}, *results]
+        else:
+            for call, result in zip(lookups, results, strict=True):
+                messages += [{"role": "assistant", "content": "", "tool_calls": [call]}, result]
+        messages += [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [_call("calc", {"expression": expression})],
+            },
+            _tool_message("calc", calc(expression)),
+            {"role": "assistant", "content": self.solution(row)},
+        ]
+        return messages
+
+    def solution(self, row: dict[str, Any]) -> str:
+        return f"Answer: {row['answer']}"
+
+    def verify(self, response: str, row: dict[str, Any]) -> float:
+        got = extract_answer(response)
+        return float(got is not None and got.strip() == str(row["answer"]))
+
+
+def make_rows(n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` rows (prompt, answer, corpus, messages) of one split; train/test prompts disjoint."""
+    return generate_split(CalcLookupTask(), split, n, seed)

@@ -1,0 +1,54 @@
+"""``trident env``: list the registered environments, write an environment's data.
+
+``trident env data NAME OUT.jsonl`` writes rows that serve both stages: the prompt fields the
+environment reads (for RL) and a ``messages`` demonstration (for ``trident sft
+data.train_path=OUT.jsonl data.task=``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from trident.envs import REGISTRY
+
+    table = Table("name", "entry point", "data", "description")
+    for spec in sorted(REGISTRY.values(), key=lambda s: s.name):
+        entry = spec.entry_point if isinstance(spec.entry_point, str) else repr(spec.entry_point)
+        table.add_row(spec.name, entry, "yes" if spec.data else "-", spec.description)
+    Console().print(table)
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from trident.data.loaders import write_jsonl
+    from trident.envs import env_rows
+
+    path = write_jsonl(env_rows(args.name, args.n, args.split, args.seed), args.out)
+    print(f"wrote {args.n} {args.split} rows of {args.name} to {path}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    env = subparsers.add_parser(
+        "env", help="environments for agentic RL", description="Environments for agentic RL."
+    )
+    sub = env.add_subparsers(dest="env_command", required=True, metavar="ACTION")
+    p = sub.add_parser("list", help="list registered environments")
+    p.set_defaults(func=cmd_list)
+    p = sub.add_parser(
+        "data",
+        help="write an environment's rows (prompts + SFT demonstrations) as JSONL",
+        description="Write rows with the prompt fields an environment reads and a `messages` "
+        "demonstration usable by `trident sft`.",
+    )
+    p.add_argument("name", help="environment name (see `trident env list`)")
+    p.add_argument("out", help="output JSONL path")
+    p.add_argument("--n", type=int, default=2000, help="number of rows")
+    p.add_argument("--split", choices=["train", "test"], default="train")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_data)
