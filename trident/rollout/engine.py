@@ -143,6 +143,19 @@ class VLLMClient:
     async def resume(self) -> None:
         await self._post("/resume", timeout=60)
 
+    async def abort(self, request_ids: list[str] | None = None) -> int:
+        """Abort ``request_ids`` (all in-flight requests when None) without pausing the server.
+        Each aborted ``generate`` returns its partial output with ``finish_reason="abort"``.
+        Returns how many requests the server aborted."""
+        body = await self._post("/abort_requests", {"request_ids": request_ids or []}, timeout=60)
+        return int(body.get("aborted", 0))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop cached KV blocks (e.g. computed by older weights); False while requests hold
+        blocks, so call it when nothing is running."""
+        body = await self._post("/reset_prefix_cache", timeout=60)
+        return bool(body.get("success", False))
+
     async def healthy(self) -> bool:
         try:
             r = await self.http.get(f"{self.url}/health", timeout=5.0)

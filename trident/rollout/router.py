@@ -52,6 +52,14 @@ class Router:
     async def resume(self) -> None:
         await asyncio.gather(*(c.resume() for c in self.clients))
 
+    async def abort(self) -> int:
+        """Abort every in-flight request on every server; returns how many were aborted."""
+        return sum(await asyncio.gather(*(c.abort() for c in self.clients)))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Reset every server's prefix cache; True only if all of them did."""
+        return all(await asyncio.gather(*(c.reset_prefix_cache() for c in self.clients)))
+
     async def healthy(self) -> bool:
         return all(await asyncio.gather(*(c.healthy() for c in self.clients)))
 
