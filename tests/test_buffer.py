@@ -55,7 +55,7 @@ def group(ticket: GroupTicket, versions: list[int]) -> list[Sample]:
 
 
 def run(coro):
-    return asyncio.run(coro)
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))  # a hang is a failure
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ def run(coro):
 
 def test_admission_is_areals_capacity_rule() -> None:
     async def body() -> None:
-        buf = RolloutBuffer(groups_per_step=2, max_staleness=1)
+        buf = RolloutBuffer(groups_per_step=2, max_staleness=1, max_running=8)
         tickets = [await buf.admit() for _ in range(4)]  # (η + 1)·B
         assert buf.capacity == 0 and [t.deadline for t in tickets] == [1, 1, 1, 1]
         for t in tickets[:2]:
@@ -80,9 +80,39 @@ def test_admission_is_areals_capacity_rule() -> None:
     run(body())
 
 
+def test_at_most_max_running_groups_generate_at_once() -> None:
+    async def body() -> None:
+        buf = RolloutBuffer(groups_per_step=4, max_staleness=2)  # max_running = B by default
+        g = [await buf.admit() for _ in range(4)]
+        assert buf.capacity == 0
+        buf.put(g[0], group(g[0], [0]))
+        assert buf.capacity == 1
+
+    run(body())
+
+
+def test_no_group_starts_while_a_whole_batch_is_waiting() -> None:
+    """Freshness: with B finished groups waiting, a group started after the next sync is as
+    useful and one version newer, so admission pauses even though η would allow more."""
+
+    async def body() -> None:
+        buf = RolloutBuffer(groups_per_step=2, max_staleness=3, max_running=8)
+        g = [await buf.admit() for _ in range(3)]
+        buf.put(g[0], group(g[0], [0]))
+        assert buf.capacity == 8 - 3
+        buf.put(g[1], group(g[1], [0]))
+        assert buf.capacity == 0
+        await buf.next_batch()  # the batch is taken: AReaL's rule again, (0 + 3 + 1 − 1)·2 − 1
+        assert buf.capacity == 5
+        buf.advance(1)
+        assert buf.capacity == 7
+
+    run(body())
+
+
 def test_trainer_streams_finished_groups_but_never_leaves_a_due_group_behind() -> None:
     async def body() -> None:
-        buf = RolloutBuffer(groups_per_step=2, max_staleness=1)
+        buf = RolloutBuffer(groups_per_step=2, max_staleness=1, max_running=4)
         g = [await buf.admit() for _ in range(4)]
         # step 0: the two groups that finish first are taken (streaming)
         buf.put(g[3], group(g[3], [0]))
@@ -177,11 +207,13 @@ def random_config(rng: random.Random) -> SimConfig:
         reward_s=rng.uniform(0, 0.5),
         colocate_slowdown=rng.choice([1.0, 2.0]),
     )
+    groups = rng.randint(1, 6)
     return SimConfig(
         mode=mode,
         eta=eta,
         servers=rng.randint(1, 6),
-        groups_per_step=rng.randint(1, 6),
+        groups_per_step=groups,
+        max_running=rng.choice([None, groups * (eta + 1), rng.randint(1, 3 * groups)]),
         n=rng.randint(1, 4),
         steps=rng.randint(15, 40),
         lengths=LengthModel(rng.uniform(5, 200), rng.uniform(0.2, 1.5), rng.randint(50, 2000)),

@@ -7,7 +7,7 @@ deep inside a run are checked here, before anything heavy starts.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
@@ -44,6 +44,10 @@ class ModelConfig(Section):
         default_factory=dict,
         description="Teachers for on-policy distillation, by task name (`default` for all).",
     )
+    critic_path: str = Field(
+        "",
+        description="Checkpoint the critic's backbone starts from (algo.use_critic); empty = model.path.",
+    )
 
 
 class DataConfig(Section):
@@ -71,6 +75,46 @@ class DataConfig(Section):
         4000, ge=1, description="Size of a built-in task's generated train split."
     )
     num_test: int = Field(200, ge=1, description="Size of a built-in task's generated test split.")
+
+
+class EnvConfig(Section):
+    """Agentic RL: multi-turn rollouts of an environment (`trident env list`) through the agent loop."""
+
+    name: str = Field(
+        "",
+        description="Environment (registered name or `module:Class`); empty = single-turn prompts scored by `reward`. "
+        "Its data generator supplies the prompts unless data.train_path / data.test_path are set.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the environment's constructor."
+    )
+    data_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the environment's data generator (`trident env data --options`), e.g. an easier configuration.",
+    )
+    max_turns: int = Field(8, ge=1, description="Assistant turns per trajectory.")
+    max_turn_tokens: int = Field(
+        0,
+        ge=0,
+        description="Tokens per assistant turn; 0 = rollout.max_tokens (eval.max_tokens in eval).",
+    )
+    max_response_tokens: int = Field(
+        256, ge=1, description="Model-written tokens over a whole trajectory."
+    )
+    max_total_tokens: int = Field(
+        0,
+        ge=0,
+        description="Prompt + turns + tool results per trajectory; 0 = rollout.max_model_len.",
+    )
+    max_consecutive_tool_errors: int = Field(
+        3, ge=1, description="Turns in a row whose tool calls all failed before the trajectory ends."
+    )
+    parser: str = Field(
+        "hermes", description="Tool-call parser (`hermes`/`qwen`, or `module:Class`)."
+    )
+    timeout_s: float = Field(
+        60.0, gt=0, description="Timeout of each env.reset / env.step call (an infra_error)."
+    )
 
 
 class RolloutConfig(Section):
@@ -156,6 +200,17 @@ class PipelineConfig(Section):
         0,
         ge=0,
         description="η: max policy versions between the token's sampler and the trained policy.",
+    )
+    max_running_groups: int = Field(
+        0,
+        ge=0,
+        description="separate_async: groups generating at once (AReaL's max_concurrent_rollouts); 0 = prompts_per_step.",
+    )
+    dynamic_sampling_rounds: int = Field(
+        3,
+        ge=1,
+        description="algo.dynamic_sampling: generation rounds per step at most (sync); async modes replace at most "
+        "(rounds - 1) * prompts_per_step all-equal groups in a row.",
     )
 
 
@@ -282,6 +337,7 @@ class TridentConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
@@ -304,6 +360,39 @@ class TridentConfig(Section):
             run_dir=f"{self.run.dir.rstrip('/')}/{self.run.name}",
         )
 
+    @property
+    def response_budget(self) -> int:
+        """Max model-written tokens of one sample: L_max of the overlong penalty."""
+        return self.env.max_response_tokens if self.env.name else self.rollout.max_tokens
+
+    def _check_env(self) -> list[str]:
+        if not self.env.name:
+            return []
+        import difflib
+
+        from trident.envs import REGISTRY, get_spec
+
+        try:
+            spec = get_spec(self.env.name)
+        except KeyError:
+            close = difflib.get_close_matches(self.env.name, list(REGISTRY), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return [
+                f"env.name={self.env.name!r} is not a registered environment{hint}; "
+                f"registered: {', '.join(sorted(REGISTRY))}, or use module:Class"
+            ]
+        errors = []
+        if not spec.data and not self.data.task and not self.data.train_path:
+            errors.append(
+                f"env.name={self.env.name} has no data generator: set data.task or data.train_path"
+            )
+        if self.env.max_total_tokens > self.rollout.max_model_len:
+            errors.append(
+                f"env.max_total_tokens={self.env.max_total_tokens} exceeds rollout.max_model_len="
+                f"{self.rollout.max_model_len}"
+            )
+        return errors
+
     @model_validator(mode="after")
     def _check_combinations(self) -> TridentConfig:
         errors = []
@@ -315,12 +404,47 @@ class TridentConfig(Section):
             errors.append(
                 f"pipeline.mode={self.pipeline.mode} needs pipeline.max_staleness >= 1 (η=0 is the sync trainer)"
             )
-        if self.algo.advantage in ("grpo", "rloo", "reinforce_pp_baseline") and self.rollout.n < 2:
+        algo = self.algo
+        if (
+            algo.advantage in ("grpo", "rloo", "reinforce_pp_baseline")
+            and self.rollout.n < 2
+            and algo.reward_coef > 0
+        ):
             errors.append(
-                f"algo.advantage={self.algo.advantage} compares samples of a group: set rollout.n >= 2"
+                f"algo.advantage={algo.advantage} compares samples of a group: set rollout.n >= 2 "
+                "(or algo.advantage=running_baseline for single samples)"
             )
-        if self.algo.advantage == "gae" and not self.algo.use_critic:
+        if algo.advantage == "gae" and not algo.use_critic:
             errors.append("algo.advantage=gae needs a critic: set algo.use_critic=true")
+        if algo.use_critic and algo.advantage != "gae":
+            errors.append(
+                f"algo.use_critic trains a critic that only algo.advantage=gae uses (got {algo.advantage})"
+            )
+        if algo.kl_target is not None and algo.kl_coef <= 0:
+            errors.append(
+                "algo.kl_target adapts the KL coefficient from algo.kl_coef: set algo.kl_coef > 0 "
+                "(its initial value)"
+            )
+        if self.model.teacher_paths and algo.distill_coef == 0:
+            errors.append(
+                "model.teacher_paths is set but algo.distill_coef = 0: the teachers would be "
+                "loaded and ignored (set algo.distill_coef > 0 or algo.name=opd)"
+            )
+        if algo.distill_coef == 0 and algo.reward_coef == 0:
+            errors.append("algo.reward_coef = 0 and algo.distill_coef = 0: nothing to learn from")
+        paths = self.model.teacher_paths
+        if (
+            algo.distill_coef > 0
+            and paths
+            and "default" not in paths
+            and self.data.task
+            and not self.data.train_path
+            and self.data.task not in paths
+        ):
+            errors.append(
+                f"data.task={self.data.task} has no teacher: model.teacher_paths has "
+                f"{sorted(paths)}; add model.teacher_paths.{self.data.task}=PATH or .default=PATH"
+            )
         if self.eval.pass_k > self.eval.samples:
             errors.append(
                 f"eval.pass_k={self.eval.pass_k} exceeds eval.samples={self.eval.samples}"
@@ -334,20 +458,20 @@ class TridentConfig(Section):
                 "trainer.mini_batches exceeds the samples per step (pipeline.prompts_per_step * rollout.n)"
             )
         unavailable = {
-            "algo.use_critic (PPO/GAE)": self.algo.use_critic or self.algo.advantage == "gae",
-            "algo.distill_coef (on-policy distillation)": self.algo.distill_coef > 0,
-            "algo.kl_in_reward": self.algo.kl_in_reward and self.algo.kl_coef > 0,
-            "algo.dynamic_sampling": self.algo.dynamic_sampling,
-            "algo.overlong_penalty": self.algo.overlong_penalty,
-            "algo.advantage=running_baseline": self.algo.advantage == "running_baseline",
         }
         for feature, used in unavailable.items():
             if used:
                 errors.append(
                     f"{feature} is not wired into the trainer yet (the loss functions exist in trident.algorithms)"
                 )
-        if not self.data.task and not self.data.train_path:
-            errors.append("no data: set data.task (a built-in task) or data.train_path")
+        if not self.data.task and not self.data.train_path and not self.env.name:
+            errors.append("no data: set data.task (a built-in task), data.train_path or env.name")
+        errors += self._check_env()
+        if self.algo.overlong_penalty and self.algo.overlong_buffer > self.response_budget:
+            errors.append(
+                f"algo.overlong_buffer={self.algo.overlong_buffer} exceeds the response budget "
+                f"{self.response_budget} ({'env.max_response_tokens' if self.env.name else 'rollout.max_tokens'})"
+            )
         if errors:
             raise ValueError("; ".join(errors))
         return self

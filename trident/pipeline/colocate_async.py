@@ -66,12 +66,12 @@ async def run_colocate(
         await generate_batch(buffer, make_group, per_step)
     for step in range(steps):
         t0 = trace.now()
-        following = None
-        if step + 1 < steps:
-            following = asyncio.create_task(generate_batch(buffer, make_group, per_step))
         with trace.span("queue wait", "trainer"):
             samples = await buffer.next_batch()
         depth = buffer.depth
+        following = None
+        if step + 1 < steps:
+            following = asyncio.create_task(generate_batch(buffer, make_group, per_step))
         t1 = trace.now()
         with trace.span("train", "trainer", step=step):
             metrics = await trainer.train_step(samples)

@@ -412,6 +412,7 @@ class AsyncRun:
             cfg.pipeline.prompts_per_step,
             cfg.pipeline.max_staleness,
             total_groups=cfg.pipeline.prompts_per_step * cfg.pipeline.steps,
+            max_running=cfg.pipeline.max_running_groups or None,
         )
         self.progress = StepProgress(cfg.pipeline.steps, enabled=cfg.telemetry.progress)
         self.results: dict[str, Any] = {}
