@@ -23,8 +23,10 @@ that fails (status ``error``: bwrap broken, the sandbox service down) raises
 Deliberate simplifications: Python only; exact output comparison (no float tolerance, no
 special judges); the harness shares the process with the program, so a program that reads its
 own harness could forge the marker - the nonce only defeats blind forgeries such as an early
-``os._exit(0)``. Without a ``sandbox`` argument each call starts and closes its own
-``SandboxPool`` (a thread and an event loop); pass a shared one for throughput.
+``os._exit(0)``. Without a ``sandbox`` argument each call starts and closes its own backend,
+``trident.sandbox.make_sandbox()`` - the one ``$TRIDENT_SANDBOX`` names (a SandboxFusion or e2b
+service, a ``trident sandbox serve``), else a local ``SandboxPool`` (a thread and an event loop);
+pass a shared one for throughput.
 """
 
 from __future__ import annotations
@@ -174,9 +176,9 @@ async def code_reward(
         return 0.0
     own = sandbox is None
     if sandbox is None:
-        from trident.sandbox.pool import SandboxPool
+        from trident.sandbox import make_sandbox
 
-        sandbox = SandboxPool()
+        sandbox = make_sandbox()  # $TRIDENT_SANDBOX names the backend; default: local bwrap
     try:
         if isinstance(tests, str):
             passed, total = await _run_asserts(sandbox, program, tests, timeout_s, memory_mb)

@@ -20,12 +20,26 @@ error      the sandbox itself failed: bwrap missing or failed to set up, the    
 Only ``error`` is the infrastructure's; callers that score code (``trident.rewards.code``) turn it
 into ``InfraError`` so the sample is marked ``infra_error`` rather than scored zero.
 
-Implementations: ``SandboxPool`` (local bubblewrap, ``trident.sandbox.pool``) and
-``RemoteSandbox`` (HTTP client of ``trident sandbox serve``, ``trident.sandbox.service``).
+Implementations, chosen by name with ``make_sandbox(spec)`` (``$TRIDENT_SANDBOX`` by default):
+
+===================================  =================================================  ========
+spec                                 backend                                            sessions
+===================================  =================================================  ========
+``local`` (default), ``bwrap``       ``SandboxPool``: local bubblewrap                  yes
+                                     (``trident.sandbox.pool``)
+``http://HOST:PORT``,                ``RemoteSandbox``: a ``trident sandbox serve``     yes
+``trident+http://HOST:PORT``         service (``trident.sandbox.service``)
+``sandboxfusion+http://HOST:PORT``   ``SandboxFusionSandbox``: a SandboxFusion server   no
+                                     (``trident.sandbox.sandboxfusion``)
+``e2b``, ``e2b:TEMPLATE``            ``E2BSandbox``: e2b cloud sandboxes, needs         yes
+                                     ``pip install 'trident[e2b]'`` and ``E2B_API_KEY``
+                                     (``trident.sandbox.e2b_backend``)
+===================================  =================================================  ========
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -162,6 +176,43 @@ class Sandbox(Protocol):
         ...
 
 
+SANDBOX_ENV = "TRIDENT_SANDBOX"
+
+
+def make_sandbox(spec: str | None = None, **kwargs: Any) -> Sandbox:
+    """Build the sandbox backend named by ``spec`` (see the table in the module docstring).
+
+    ``spec`` defaults to ``$TRIDENT_SANDBOX``, else ``"local"``. ``kwargs`` go to the backend's
+    constructor. The caller owns the result and calls ``close()`` on it. Raises ``ValueError``
+    for an unknown spec, ``ImportError`` when the backend's optional extra is not installed.
+    """
+    spec = (spec if spec is not None else os.environ.get(SANDBOX_ENV, "")).strip() or "local"
+    if spec in ("local", "bwrap"):
+        from trident.sandbox.pool import SandboxPool
+
+        return SandboxPool(**kwargs)
+    scheme, sep, rest = spec.partition("+")
+    if sep and scheme == "trident" and rest.startswith(("http://", "https://")):
+        spec = rest
+    if spec.startswith(("http://", "https://")):
+        from trident.sandbox.service import RemoteSandbox
+
+        return RemoteSandbox(spec, **kwargs)
+    if sep and scheme == "sandboxfusion" and rest.startswith(("http://", "https://")):
+        from trident.sandbox.sandboxfusion import SandboxFusionSandbox
+
+        return SandboxFusionSandbox(rest, **kwargs)
+    if spec == "e2b" or spec.startswith("e2b:"):
+        from trident.sandbox.e2b_backend import E2BSandbox
+
+        template = spec.partition(":")[2] or None
+        return E2BSandbox(**({"template": template} if template else {}), **kwargs)
+    raise ValueError(
+        f"unknown sandbox {spec!r}: use 'local', 'http://HOST:PORT' (trident sandbox serve), "
+        "'sandboxfusion+http://HOST:PORT' or 'e2b[:TEMPLATE]'"
+    )
+
+
 def __getattr__(name: str) -> Any:
     # Implementations load lazily: importing the seam must not import aiohttp/httpx.
     if name in ("SandboxPool",):
@@ -176,6 +227,14 @@ def __getattr__(name: str) -> Any:
         from trident.sandbox.service import RemoteSandbox
 
         return RemoteSandbox
+    if name == "SandboxFusionSandbox":
+        from trident.sandbox.sandboxfusion import SandboxFusionSandbox
+
+        return SandboxFusionSandbox
+    if name == "E2BSandbox":  # importing the module does not import the SDK
+        from trident.sandbox.e2b_backend import E2BSandbox
+
+        return E2BSandbox
     raise AttributeError(f"module 'trident.sandbox' has no attribute {name!r}")
 
 
@@ -183,13 +242,17 @@ __all__ = [
     "STATUSES",
     "BwrapConfig",
     "BwrapSandbox",
+    "E2BSandbox",
     "InfraError",
     "RemoteSandbox",
+    "SANDBOX_ENV",
     "Sandbox",
+    "SandboxFusionSandbox",
     "SandboxPool",
     "SandboxResult",
     "SandboxStatus",
     "Session",
     "SessionClosedError",
     "SessionKind",
+    "make_sandbox",
 ]

@@ -8,7 +8,8 @@ Isolation (one fresh set of namespaces per sandbox)::
     bwrap --unshare-all --unshare-user --uid 65534 --gid 65534 --die-with-parent --new-session
           --ro-bind /usr (+ /bin /lib* /sbin as on the host) --ro-bind <python prefix>
           --tmpfs <python prefix>/lib/pythonX.Y/site-packages       (stdlib only, fast start)
-          --ro-bind a generated /etc/passwd, /etc/group; /etc/alternatives, /etc/ld.so.cache
+          --ro-bind a generated /etc (passwd, group; copies of alternatives, ld.so.cache,
+          localtime)
           --proc /proc --dev /dev --tmpfs /tmp /sandbox /dev/shm (size-capped)
           --remount-ro / --remount-ro /dev --clearenv --setenv PATH/HOME/LANG/TMPDIR
           -- prlimit --as --cpu --nproc --fsize --nofile --core=0 -- CMD
@@ -27,22 +28,32 @@ Running as root (as here): the kernel ignores ``RLIMIT_NPROC`` for the real root
 is exec'd already as uid/gid 65534 (it then uses unprivileged user namespaces), which makes
 the sandboxed processes really uid 65534 and the process limit real. Because the user namespace is
 created first and ``prlimit`` runs inside it, the process count is per sandbox, not shared by all
-concurrent sandboxes. The Python install may sit under a directory 65534 cannot enter
-(``/root/.pyenv``); so one long-lived helper (a ``sleep``) holds a private mount namespace in
-which the prefix is bind-mounted onto a world-readable staging directory, and every bwrap is
-started as ``nsenter --mount=<helper's> setpriv --reuid/--regid 65534 --pdeathsig=KILL bwrap``,
-binding the staged prefix read-only at its original path. The start is a vfork + exec on a small
-pool of spawner threads: its cost does not grow with the host process (a ``preexec_fn`` would
-fork the whole host - tens of ms once torch is loaded) and the event loop never waits on it.
+concurrent sandboxes. The start is a vfork + exec of bwrap itself on a small pool of spawner
+threads: its cost does not grow with the host process (a ``preexec_fn`` would fork the whole
+host - tens of ms once torch is loaded) and the event loop never waits on it. Each spawner
+thread, when it starts, sets itself up once for all the bwraps it will start (its children
+inherit the thread's namespaces and credentials, not the process's): it unshares its own mount
+namespace (``unshare(CLONE_NEWNS)`` affects only the calling thread), bind-mounts the Python
+install - which may sit under a directory 65534 cannot enter (``/root/.pyenv``) - onto a
+world-readable staging directory there (visible to that thread's children only, and gone with the
+thread), then drops the thread's own credentials to uid/gid 65534 with no supplementary groups
+(raw ``setgroups``/``setresgid``/``setresuid`` syscalls, which, unlike the libc wrappers, change
+the calling thread only; irreversible: the thread keeps no capability). The host process's
+other threads stay root and keep the host's mount table. No helper process and no launcher
+binaries (``nsenter``, ``setpriv``) sit between the thread and bwrap any more: each was an exec
++ dynamic link per run, together about half of a run's CPU time (``benchmarks/sandbox.py``). On
+an architecture without a known syscall table the thread still unshares and stages, but the uid
+switch falls back to exec'ing ``setpriv --reuid/--regid 65534 --clear-groups``.
 
 Killing (wall-clock timeout, session close): bwrap reports the pid of the sandbox's init on its
 ``--json-status-fd``; we pin it with a pidfd and SIGKILL it, and the kernel then kills everything
-left in the pid namespace (daemons, fork bombs, double-forked children). bwrap itself gets
-PDEATHSIG=SIGKILL from ``setpriv`` (it fires when the *thread* that started bwrap exits: the
-spawner threads live until ``BwrapSandbox.close()``), so a host process killed with SIGKILL
-takes its sandboxes with it; bwrap's ``--die-with-parent`` does the same for the processes
-inside. One gap remains: a host process that dies while one of its sandboxes is being started
-(the few ms before PDEATHSIG is armed) can orphan it; the orphan still has all its rlimits.
+left in the pid namespace (daemons, fork bombs, double-forked children). bwrap's
+``--die-with-parent`` arms PDEATHSIG=SIGKILL in bwrap itself and in the processes inside (it fires
+when the *thread* that started bwrap exits: the spawner threads live until
+``BwrapSandbox.close()``), so a host process killed with SIGKILL takes its sandboxes with it. One
+gap remains: a host process that dies while one of its sandboxes is being started (the ms before
+bwrap arms PDEATHSIG, right after it clones the sandbox's init) can orphan it; the orphan still
+has all its rlimits.
 
 Status heuristics (``classify``):
 - ``error``: bwrap missing/failed before the command started (its ``--json-status-fd`` never
@@ -65,8 +76,8 @@ site-packages of the Python install are hidden (stdlib only). Runs are not pre-w
 must start from a fresh filesystem and a fresh process, which is what a cold bwrap + prlimit
 start is; a warm shim would add a resident interpreter per slot to save only the namespace set-up
 (see ``benchmarks/sandbox.py``). Sessions, whose agent is a Python process, are pre-warmed by
-``trident.sandbox.pool``. Needs util-linux (``prlimit``, ``setpriv``, ``nsenter``) and Linux >=
-5.3 (pidfds) with unprivileged user namespaces enabled
+``trident.sandbox.pool``. Needs util-linux's ``prlimit`` (and ``setpriv`` only on the fallback
+above) and Linux >= 5.3 (pidfds) with unprivileged user namespaces enabled
 (Ubuntu >= 23.10 restricts them through AppArmor: allow bwrap or set
 ``kernel.apparmor_restrict_unprivileged_userns=0``).
 """
@@ -81,6 +92,7 @@ import functools
 import json
 import math
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -107,7 +119,10 @@ _CLONE_NEWNS = 0x00020000
 _MS_BIND = 0x1000
 _MS_REC = 0x4000
 _MS_PRIVATE = 1 << 18
-_PR_SET_PDEATHSIG = 1
+# Raw syscall numbers of the per-thread credential calls: (setgroups, setresgid, setresuid).
+_CRED_SYSCALLS = {"x86_64": (116, 119, 117), "aarch64": (159, 149, 147)}
+# Host /etc entries copied into the sandbox's /etc (beside a generated passwd and group).
+_HOST_ETC = ("alternatives", "ld.so.cache", "localtime")
 
 
 @dataclass(frozen=True)
@@ -233,26 +248,32 @@ class BwrapSandbox:
             "/bin",
         )
         self.setpriv_path = shutil.which("setpriv")
-        self.nsenter_path = shutil.which("nsenter")
         self._as_root = os.geteuid() == 0
+        self._cred_syscalls = _CRED_SYSCALLS.get(platform.machine())
         self._lock = threading.RLock()
         self._spawn_threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._spawner_error: BaseException | None = None
         self._runtime_dir: str | None = None
         self._base_args: list[str] | None = None
-        self._holder: subprocess.Popen | None = None
         self._cleanup: weakref.finalize | None = None
+        self._unavailable: tuple[str | None] | None = None
 
     # -- setup -------------------------------------------------------------------------------
 
     def unavailable(self) -> str | None:
-        """Why this host cannot run sandboxes (None when it can)."""
+        """Why this host cannot run sandboxes (None when it can). Checked once (it is on every
+        run's path, and the tools do not come and go)."""
+        if self._unavailable is None:
+            self._unavailable = (self._check_tools(),)
+        return self._unavailable[0]
+
+    def _check_tools(self) -> str | None:
         if self.bwrap_path is None:
             return "bwrap not found: install the Debian package 'bubblewrap' (scripts/setup does)"
-        for name, path in (("prlimit", self.prlimit_path), ("setpriv", self.setpriv_path)):
-            if path is None:
-                return f"{name} not found: install util-linux"
-        if self._as_root and (self.nsenter_path is None or shutil.which("sleep") is None):
-            return "nsenter/sleep not found: install util-linux and coreutils"
+        if self.prlimit_path is None:
+            return "prlimit not found: install util-linux"
+        if self._as_root and self._cred_syscalls is None and self.setpriv_path is None:
+            return "setpriv not found: install util-linux"
         if not os.path.exists(self.python):
             return f"no Python interpreter at {self.python}"
         return None
@@ -283,6 +304,26 @@ class BwrapSandbox:
             with open(os.path.join(root, "etc", name), "w") as f:
                 f.write(text)
             os.chmod(os.path.join(root, "etc", name), 0o644)
+        # The few host /etc entries programs need, copied (symlinks as symlinks) so that the
+        # sandbox's /etc is one read-only bind of this directory: every bind costs bwrap a mount,
+        # a remount and a parse of the mount table, and five of them were ~10% of a run's CPU.
+        for name in _HOST_ETC:
+            src, dst = os.path.join("/etc", name), os.path.join(root, "etc", name)
+            with contextlib.suppress(OSError):
+                if os.path.islink(src):
+                    os.symlink(os.readlink(src), dst)
+                elif os.path.isdir(src):
+                    shutil.copytree(src, dst, symlinks=True)
+                elif os.path.isfile(src):
+                    shutil.copy2(src, dst)
+        for path in self.config.extra_ro_binds:  # mount points for binds under /etc
+            if path.startswith("/etc/"):
+                dst = os.path.join(root, "etc", os.path.relpath(path, "/etc"))
+                if os.path.isdir(path):
+                    os.makedirs(dst, 0o755, exist_ok=True)
+                else:
+                    os.makedirs(os.path.dirname(dst), 0o755, exist_ok=True)
+                    open(dst, "a").close()
         return root
 
     def _bwrap_args(self, runtime_dir: str) -> list[str]:
@@ -305,12 +346,9 @@ class BwrapSandbox:
             for site in sorted(sites):
                 if os.path.isdir(site) and site.startswith(self.python_prefix + os.sep):
                     args += ["--tmpfs", site]
+        args += ["--ro-bind", os.path.join(runtime_dir, "etc"), "/etc"]
         for path in cfg.extra_ro_binds:
             args += ["--ro-bind", path, path]
-        args += ["--ro-bind", os.path.join(runtime_dir, "etc", "passwd"), "/etc/passwd"]
-        args += ["--ro-bind", os.path.join(runtime_dir, "etc", "group"), "/etc/group"]
-        for path in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime"):
-            args += ["--ro-bind-try", path, path]
         args += ["--proc", "/proc", "--dev", "/dev"]
         for mount in ("/tmp", WORK_DIR, "/dev/shm"):
             args += ["--size", tmpfs_bytes, "--perms", "1777", "--tmpfs", mount]
@@ -331,50 +369,52 @@ class BwrapSandbox:
         return args
 
     def _launcher(self) -> list[str]:
-        """What execs bwrap, from a vfork: ``setpriv`` arms PDEATHSIG (and, as root, drops to the
-        sandbox uid) inside the staging mount namespace, entered with ``nsenter``. Called on a
-        spawner thread (the staging holder's PDEATHSIG follows it)."""
-        setpriv = [self.setpriv_path or "setpriv", "--pdeathsig=KILL"]
-        if not self._as_root:
-            return [*setpriv, "--"]
+        """What execs bwrap from the spawner thread's vfork: nothing (bwrap itself), except as root
+        on an architecture without a known credential-syscall table, where ``setpriv`` drops to
+        the sandbox uid (the thread could not)."""
+        if not self._as_root or self._cred_syscalls is not None:
+            return []
         uid = str(self.config.sandbox_uid)
-        setpriv += [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-        holder = self._staging_holder()
-        return [self.nsenter_path or "nsenter", f"--mount=/proc/{holder}/ns/mnt", "--", *setpriv]
+        setpriv = [self.setpriv_path or "setpriv", "--pdeathsig=KILL"]
+        return [*setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
 
-    def _staging_holder(self) -> int:
-        """Pid of the process that holds the staging mount namespace: a ``sleep`` started in a
-        private mount namespace where the Python prefix is bound onto the world-readable staging
-        directory. Started once (one fork of the host process), restarted if it died; an
-        unreaped holder keeps its pid, so a dead holder can never be confused with another
-        process."""
-        with self._lock:
-            if self._holder is not None and self._holder.poll() is None:
-                return self._holder.pid
-            assert self._runtime_dir is not None
-            prefix = self.python_prefix.encode()
-            stage = os.path.join(self._runtime_dir, "python").encode()
+    def _init_spawner_thread(self) -> None:
+        """Runs once on each new spawner thread, before it starts any bwrap (see the module
+        docstring): as root, a private mount namespace for this thread with the Python prefix
+        staged in it, then this thread's credentials dropped to the sandbox uid. A failure is
+        kept for the error message of the runs that can then not start."""
+        if not self._as_root:
+            return
+        try:
+            runtime_dir = self._runtime_dir
+            if runtime_dir is None:
+                raise RuntimeError("the sandbox backend is closed")
             libc = _libc()
-
-            def stage_prefix() -> None:
-                if libc.unshare(_CLONE_NEWNS) != 0:
-                    raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
-                if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
-                    raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
-                if libc.mount(prefix, stage, None, _MS_BIND | _MS_REC, None) != 0:
-                    raise OSError(ctypes.get_errno(), "bind-mount the Python prefix")
-                if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-                    raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-
-            self._holder = subprocess.Popen(
-                [shutil.which("sleep") or "sleep", "infinity"],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env={},
-                preexec_fn=stage_prefix,
-            )
-            return self._holder.pid
+            stage = os.path.join(runtime_dir, "python").encode()
+            # CLONE_NEWNS implies CLONE_FS: this thread gets its own root/cwd and mount table.
+            if libc.unshare(_CLONE_NEWNS) != 0:
+                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) on the spawner thread")
+            if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+                raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+            if libc.mount(self.python_prefix.encode(), stage, None, _MS_BIND | _MS_REC, None) != 0:
+                raise OSError(ctypes.get_errno(), "bind-mount the Python prefix")
+            if self._cred_syscalls is not None:
+                uid = self.config.sandbox_uid
+                ids = (ctypes.c_long(uid),) * 3  # syscall(2) is variadic: pass full words
+                nr_setgroups, nr_setresgid, nr_setresuid = self._cred_syscalls
+                for nr, args in (
+                    (nr_setgroups, (ctypes.c_long(0), ctypes.c_void_p(None))),
+                    (nr_setresgid, ids),
+                    (nr_setresuid, ids),
+                ):
+                    if libc.syscall(ctypes.c_long(nr), *args) != 0:
+                        raise OSError(ctypes.get_errno(), "drop the spawner thread's credentials")
+                # getres[ug]id/getgroups are plain syscalls: they report this thread's credentials.
+                if os.getresuid() != (uid,) * 3 or os.getresgid() != (uid,) * 3 or os.getgroups():
+                    raise RuntimeError("the spawner thread did not drop to the sandbox uid")
+        except BaseException as exc:
+            self._spawner_error = exc
+            raise
 
     def _resolve(self, argv0: str, files: Mapping[str, Any]) -> str | None:
         """Whether ``argv0`` exists in the sandbox (its tree is host paths, so check on the host)."""
@@ -395,9 +435,9 @@ class BwrapSandbox:
         success the returned ``_Bwrap`` owns ``status_r``, on failure the caller still does.
 
         The spawn is a vfork + exec (no ``preexec_fn``: a fork of a host process that has torch
-        loaded costs tens of ms) and runs on the backend's spawner threads, so the event loop
-        never waits for it. bwrap's PDEATHSIG follows the spawner thread, which lives until
-        ``close()``.
+        loaded costs tens of ms) and runs on the backend's spawner threads (set up by
+        ``_init_spawner_thread``), so the event loop never waits for it. bwrap's PDEATHSIG
+        follows the spawner thread, which lives until ``close()``.
         """
         loop = asyncio.get_running_loop()
 
@@ -415,6 +455,10 @@ class BwrapSandbox:
         started = loop.run_in_executor(self._spawner(), start)
         try:
             proc = await asyncio.shield(started)
+        except concurrent.futures.BrokenExecutor as exc:
+            raise OSError(
+                f"sandbox spawner thread failed to set up: {self._spawner_error!r}"
+            ) from exc
         except asyncio.CancelledError:  # it may still start: wait for it and stop it
             await self._stop_started(started, status_r)
             raise
@@ -445,6 +489,7 @@ class BwrapSandbox:
                 self._spawn_threads = concurrent.futures.ThreadPoolExecutor(
                     max_workers=max(2, min(8, os.cpu_count() or 1)),
                     thread_name_prefix="trident-sandbox-spawn",
+                    initializer=self._init_spawner_thread,
                 )
             return self._spawn_threads
 
@@ -593,14 +638,10 @@ class BwrapSandbox:
         remove the runtime directory (staging mount point, generated /etc files)."""
         with self._lock:
             threads, self._spawn_threads = self._spawn_threads, None
-            holder, self._holder = self._holder, None
             if self._cleanup is not None:
                 self._cleanup()
             self._runtime_dir = None
             self._base_args = None
-        if holder is not None:
-            holder.kill()
-            holder.wait()
         if threads is not None:
             threads.shutdown(wait=False)
 
