@@ -164,8 +164,9 @@ def demo_sft_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) ->
     return str(run_sft(load_config([DEMO], [*overrides, "telemetry.progress=false"])))
 
 
-def _final_accuracy(mode: str, eta: int, model: str, run_dir: Path) -> float:
+def _final_accuracy(mode: str, eta: int, model: str, run_dir: Path, *extra: str) -> float:
     overrides = [
+        *extra,
         f"model.path={model}",
         f"run.dir={run_dir}",
         f"run.name={mode}",
@@ -181,6 +182,11 @@ def _final_accuracy(mode: str, eta: int, model: str, run_dir: Path) -> float:
 def test_separate_async_learns_as_well_as_sync(demo_sft_model: str, tmp_path: Path) -> None:
     """Same samples (30 steps × 32 prompts × 8), same recipe; η = 2 with decoupled PPO."""
     sync = _final_accuracy("sync", 0, demo_sft_model, tmp_path)
-    streamed = _final_accuracy("separate_async", 2, demo_sft_model, tmp_path)
+    # At most B/4 groups generating at once keeps rollout about one version ahead (staleness
+    # mostly 1, at most η = 2). With the default (B running, so ~2B in flight) the trainer-bound
+    # tiny task trains 84% of its tokens at staleness 2 and reached 0.877x sync (measured).
+    streamed = _final_accuracy(
+        "separate_async", 2, demo_sft_model, tmp_path, "pipeline.max_running_groups=8"
+    )
     print(f"\nfinal greedy accuracy: sync {sync:.3f}, separate_async η=2 {streamed:.3f}")
     assert streamed >= 0.95 * sync
