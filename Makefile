@@ -3,13 +3,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: setup demo test test-slow test-all lint format bench clean
+.PHONY: setup demo agent-demo test test-slow test-all lint format bench clean
 
 setup:
 	@./scripts/setup
 
 demo: setup
 	@PATH=$(CURDIR)/$(BIN):$$PATH ./scripts/demo
+
+agent-demo: setup
+	@PATH=$(CURDIR)/$(BIN):$$PATH ./scripts/agent_demo
 
 test: setup
 	$(BIN)/ruff check trident tests benchmarks

@@ -858,3 +858,22 @@ def test_approx_proximal_logp_literal() -> None:
     close(out, [[-1.0 + 2 / 3 * 0.5, -2.0, -3.0]])
     close(approx_proximal_logp(behav, current, 3.0, 4, 5), [[-0.75, -1.5, -3.25]])
     assert not out.requires_grad
+
+
+def test_overlong_penalty_golden() -> None:
+    from trident.algorithms import overlong_penalty
+
+    def reference(length: int, max_len: int, buffer: int) -> float:  # DAPO eq. 13
+        if length <= max_len - buffer:
+            return 0.0
+        if length <= max_len:
+            return ((max_len - buffer) - length) / buffer
+        return -1.0
+
+    lengths = [0, 1, 12, 13, 14, 15, 16, 17, 40]
+    for max_len, buffer in [(16, 4), (16, 16), (16, 1)]:
+        out = overlong_penalty(torch.tensor(lengths), max_len, buffer)
+        close(out, [reference(n, max_len, buffer) for n in lengths])
+    close(overlong_penalty(torch.tensor([12, 14, 16, 20]), 16, 4), [0.0, -0.5, -1.0, -1.0])
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty(torch.tensor([1]), 16, 0)

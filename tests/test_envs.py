@@ -93,6 +93,23 @@ def test_calc_lookup_rows_are_deterministic_disjoint_and_need_the_tools():
     assert 0 < parallel < len(rows)  # both parallel and one-call-per-turn demonstrations
 
 
+def test_calc_lookup_data_options_make_it_easier_or_more_varied():
+    options = dict(distractors=0, low=1, high=9, operations=["plus"], parallel_fraction=1.0)
+    formats = ["Answer: {answer}", "= {answer}"]
+    rows = env_rows("calc_lookup", 40, "train", seed=2, answer_formats=formats, **options)
+    finals = [r["messages"][-1]["content"] for r in rows]
+    rewards = [asyncio.run(_replay(CalcLookupEnv(), r)) for r in rows]
+    for row, final, reward in zip(rows, finals, rewards, strict=True):
+        assert len(row["corpus"]) == 2 and " plus " in row["prompt"]
+        assert all(1 <= int(v) <= 9 for v in row["corpus"].values())
+        assert len(row["messages"][1]["tool_calls"]) == 2  # both lookups in the first turn
+        assert final in (f"Answer: {row['answer']}", f"= {row['answer']}")
+        assert reward == float(final.startswith("Answer:"))  # only the required style earns
+    assert 0 < sum(rewards) < len(rows)
+    with pytest.raises(ValueError, match="operations"):
+        env_rows("calc_lookup", 1, operations=["divide"])
+
+
 def test_calc_lookup_rewards_only_a_final_correct_answer():
     row = env_rows("calc_lookup", 1)[0]
 
@@ -173,6 +190,13 @@ def test_sft_rows_from_the_cli(tiny_model, tmp_path, capsys):
     assert args.func(args) == 0
     rows = load_rows(out)
     assert len(rows) == 4 and rows == env_rows("calc_lookup", 4)
+    lean = tmp_path / "lean.jsonl"
+    options = '{"distractors": 0}'
+    args = parser.parse_args(["env", "data", "calc_lookup", str(lean), "--n", "2", "--no-tools",
+                              "--options", options])  # fmt: skip
+    assert args.func(args) == 0
+    assert load_rows(lean) == env_rows("calc_lookup", 2, show_tools=False, distractors=0)
+    assert all("tools" not in r and len(r["corpus"]) == 2 for r in load_rows(lean))
     # `trident sft` trains on every assistant turn of a row's demonstration.
     tokenizer = load_tokenizer(tiny_model)
     ids, mask = encode_example(tokenizer, rows[0])

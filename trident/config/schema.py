@@ -107,10 +107,17 @@ class EnvConfig(Section):
         description="Prompt + turns + tool results per trajectory; 0 = rollout.max_model_len.",
     )
     max_consecutive_tool_errors: int = Field(
-        3, ge=1, description="Turns in a row whose tool calls all failed before the trajectory ends."
+        3,
+        ge=1,
+        description="Turns in a row whose tool calls all failed before the trajectory ends.",
     )
     parser: str = Field(
         "hermes", description="Tool-call parser (`hermes`/`qwen`, or `module:Class`)."
+    )
+    show_tools: bool = Field(
+        True,
+        description="Render the tool schemas in the prompt; false saves their tokens for a model fine-tuned on the tools "
+        "(SFT data: `trident env data --no-tools`).",
     )
     timeout_s: float = Field(
         60.0, gt=0, description="Timeout of each env.reset / env.step call (an infra_error)."
@@ -457,13 +464,6 @@ class TridentConfig(Section):
             errors.append(
                 "trainer.mini_batches exceeds the samples per step (pipeline.prompts_per_step * rollout.n)"
             )
-        unavailable = {
-        }
-        for feature, used in unavailable.items():
-            if used:
-                errors.append(
-                    f"{feature} is not wired into the trainer yet (the loss functions exist in trident.algorithms)"
-                )
         if not self.data.task and not self.data.train_path and not self.env.name:
             errors.append("no data: set data.task (a built-in task), data.train_path or env.name")
         errors += self._check_env()

@@ -66,6 +66,7 @@ class EnvSpec:
     entry_point: str | Callable[..., Env]
     data: str | None = None
     description: str = ""
+    corpus: bool = True  # its demonstrations go into the tiny tokenizer's training corpus
 
 
 REGISTRY: dict[str, EnvSpec] = {}
@@ -77,9 +78,11 @@ def register_env(
     *,
     data: str | None = None,
     description: str = "",
+    corpus: bool = True,
 ) -> None:
-    """Register an environment: ``entry_point`` is ``"module:Class"`` or a factory."""
-    REGISTRY[name] = EnvSpec(name, entry_point, data, description)
+    """Register an environment: ``entry_point`` is ``"module:Class"`` or a factory;
+    ``corpus=False`` keeps its demonstrations out of ``demonstration_texts``."""
+    REGISTRY[name] = EnvSpec(name, entry_point, data, description, corpus)
 
 
 def _load(entry: str) -> Any:
@@ -107,12 +110,25 @@ def make_env(name: str, **kwargs: Any) -> Env:
     return factory(**kwargs)
 
 
-def env_rows(name: str, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
-    """Rows of a registered environment's data generator (prompts + SFT demonstrations)."""
+def env_rows(
+    name: str,
+    n: int,
+    split: str = "train",
+    seed: int = 0,
+    show_tools: bool = True,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """Rows of a registered environment's data generator (prompts + SFT demonstrations);
+    ``options`` go to the generator (e.g. an easier configuration). ``show_tools=False`` leaves
+    the tool schemas out of the rows, so that SFT renders prompts without them, as rollout does
+    with ``env.show_tools=false``."""
     spec = get_spec(name)
     if not spec.data:
         raise KeyError(f"environment {name!r} has no data generator")
-    return _load(spec.data)(n, split, seed)
+    rows = _load(spec.data)(n, split, seed, **options)
+    if not show_tools:
+        rows = [{k: v for k, v in row.items() if k != "tools"} for row in rows]
+    return rows
 
 
 def demonstration_texts(n: int = 200, seed: int = 1234) -> list[str]:
@@ -123,7 +139,7 @@ def demonstration_texts(n: int = 200, seed: int = 1234) -> list[str]:
     """
     texts: list[str] = []
     for spec in REGISTRY.values():
-        if not spec.data:
+        if not spec.data or not spec.corpus:
             continue
         for row in env_rows(spec.name, n, "train", seed):
             texts += [json.dumps(schema) for schema in row.get("tools", [])]
@@ -151,4 +167,18 @@ register_env(
     "trident.envs.code_interpreter:CodeEnv",
     data="trident.envs.code_interpreter:make_rows",
     description="Code interpreter: compute the answer by running Python in a sandbox session.",
+)
+register_env(
+    "verifiers",
+    "trident.envs.adapters.verifiers_env:VerifiersEnv",
+    data="trident.envs.adapters.verifiers_env:make_rows",
+    description="A verifiers environment (env.kwargs.env=<id or module:function>); needs the `verifiers` extra.",
+    corpus=False,
+)
+register_env(
+    "openenv",
+    "trident.envs.adapters.openenv_env:OpenEnvEnv",
+    data="trident.envs.adapters.openenv_env:make_rows",
+    description="An OpenEnv environment (env.kwargs.url=<server> or env=<module:Class>); needs the `openenv` extra.",
+    corpus=False,
 )

@@ -10,6 +10,12 @@ answer in the turn that ends the episode (a turn without tool calls), else 0.0.
 a ``messages`` demonstration (a correct tool-using conversation, tool outputs produced by the
 same tool functions) that teaches the model the tool-call format with ``trident sft``.
 Deliberate simplification: a row's corpus is tiny (four entries, two of them distractors).
+
+``make_rows`` takes options (``trident train`` passes ``env.data_kwargs``) that make the task
+easier or the demonstrations more varied: ``distractors``, the value range ``low``..``high``,
+``operations``, ``parallel_fraction`` (demonstrations that look both keys up in one turn) and
+``answer_formats`` (final-answer templates, one picked per row; only ``Answer: {answer}`` earns
+reward, so a warm-up on several styles leaves RL something to learn, as in ``configs/demo.yaml``).
 """
 
 from __future__ import annotations
@@ -83,20 +89,48 @@ class CalcLookupTask:
 
     name = "calc_lookup"
 
+    def __init__(
+        self,
+        distractors: int = 2,
+        low: int = 10,
+        high: int = 99,
+        operations: Sequence[str] = tuple(OPERATIONS),
+        parallel_fraction: float = 0.5,
+        answer_formats: Sequence[str] = ("Answer: {answer}",),
+    ) -> None:
+        unknown = set(operations) - set(OPERATIONS)
+        if unknown or not operations:
+            raise ValueError(f"operations must be a non-empty subset of {list(OPERATIONS)}")
+        if not 0 <= low <= high or distractors < 0 or not answer_formats:
+            raise ValueError("need 0 <= low <= high, distractors >= 0 and an answer format")
+        self.distractors, self.low, self.high = distractors, low, high
+        self.operations, self.parallel_fraction = list(operations), parallel_fraction
+        self.answer_formats = list(answer_formats)
+
     def make_row(self, rng: random.Random, index: int) -> dict[str, Any]:
-        keys = rng.sample(KEYS, 4)
-        corpus = {k: str(rng.randint(10, 99)) for k in keys}
+        keys = rng.sample(KEYS, 2 + self.distractors)
+        corpus = {k: str(rng.randint(self.low, self.high)) for k in keys}
         a, b = keys[:2]
-        word = rng.choice(list(OPERATIONS))
+        word = rng.choice(self.operations)
         expression = f"{corpus[a]}{OPERATIONS[word]}{corpus[b]}"
         answer = calc(expression)
         row = {"prompt": f"What is {a} {word} {b}?", "answer": answer, "corpus": corpus}
         row["tools"] = ToolSet([lookup_tool(corpus), tool(calc)]).schemas()
-        row["messages"] = self.demonstration(row, a, b, expression, parallel=rng.random() < 0.5)
+        parallel = rng.random() < self.parallel_fraction
+        final = self.answer_formats[0]
+        if len(self.answer_formats) > 1:
+            final = rng.choice(self.answer_formats)
+        row["messages"] = self.demonstration(row, a, b, expression, parallel, final)
         return row
 
     def demonstration(
-        self, row: dict[str, Any], a: str, b: str, expression: str, parallel: bool
+        self,
+        row: dict[str, Any],
+        a: str,
+        b: str,
+        expression: str,
+        parallel: bool,
+        final: str = "Answer: {answer}",
     ) -> list[Message]:
         corpus = row["corpus"]
         messages = prompt_messages(row["prompt"])
@@ -114,7 +148,7 @@ class CalcLookupTask:
                 "tool_calls": [_call("calc", {"expression": expression})],
             },
             _tool_message("calc", calc(expression)),
-            {"role": "assistant", "content": self.solution(row)},
+            {"role": "assistant", "content": final.format(**row)},
         ]
         return messages
 
@@ -126,6 +160,7 @@ class CalcLookupTask:
         return float(got is not None and got.strip() == str(row["answer"]))
 
 
-def make_rows(n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` rows (prompt, answer, corpus, messages) of one split; train/test prompts disjoint."""
-    return generate_split(CalcLookupTask(), split, n, seed)
+def make_rows(n: int, split: str = "train", seed: int = 0, **options: Any) -> list[dict[str, Any]]:
+    """``n`` rows (prompt, answer, corpus, messages) of one split; train/test prompts disjoint.
+    ``options``: ``CalcLookupTask``'s (see the module docstring)."""
+    return generate_split(CalcLookupTask(**options), split, n, seed)

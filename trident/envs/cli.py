@@ -25,10 +25,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
+    import json
+
     from trident.data.loaders import write_jsonl
     from trident.envs import env_rows
 
-    path = write_jsonl(env_rows(args.name, args.n, args.split, args.seed), args.out)
+    options = json.loads(args.options) if args.options else {}
+    rows = env_rows(args.name, args.n, args.split, args.seed, not args.no_tools, **options)
+    path = write_jsonl(rows, args.out)
     print(f"wrote {args.n} {args.split} rows of {args.name} to {path}")
     return 0
 
@@ -51,4 +55,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=2000, help="number of rows")
     p.add_argument("--split", choices=["train", "test"], default="train")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--options",
+        default="",
+        metavar="JSON",
+        help="options of the data generator (the config's env.data_kwargs), e.g. '{\"parallel_fraction\": 1.0}'",
+    )
+    p.add_argument(
+        "--no-tools",
+        action="store_true",
+        help="leave the tool schemas out of the rows (for a model trained with env.show_tools=false)",
+    )
     p.set_defaults(func=cmd_data)

@@ -29,7 +29,6 @@ import asyncio
 from typing import Any
 
 from trident.pipeline.buffer import GroupTicket, RolloutBuffer
-from trident.pipeline.rollout import generate_group
 from trident.pipeline.separate_async import (
     AsyncRun,
     GroupMaker,
@@ -101,9 +100,9 @@ async def train(cfg: Any, fleet: Any, trainer: Any, log: Any) -> dict[str, Any]:
 
     async def make_group(ticket: GroupTicket) -> list[Sample]:
         row = run.next_row()
-        server = run.router.pick()
+        server = run.router.pick()  # the whole group (all its trajectories' turns) on one server
         with run.trace.span("generate", f"rollout {server.url}", version=ticket.version):
-            samples = await generate_group(server, run.tokenizer, row, run.params, ticket.version)
+            samples = await run.rollout.generate(server, row, ticket.version)
         run.stats.segments += 1
         run.stats.generated_tokens += sum(s.num_response_tokens for s in samples)
         return await run.score(samples)

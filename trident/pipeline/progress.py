@@ -32,6 +32,8 @@ class StepProgress:
             f"reward {m['reward_mean']:.3f}  acc {m['accuracy']:.1%}  len {m['response_len_mean']:.1f}  "
             f"|Δlogp| {m.get('mismatch_abs_logp_diff_mean', float('nan')):.1e}  sync {m['time/sync_s']:.2f}s"
         )
+        if "agent/tool_success_rate" in m:
+            status += f"  tools ok {m['agent/tool_success_rate']:.0%}"
         self.bar.update(self.task, completed=step + 1, status=status)
 
     def close(self) -> None:

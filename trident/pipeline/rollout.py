@@ -2,18 +2,61 @@
 
 Token-in/token-out: the prompt is rendered with the chat template once, the engine's completion
 ids are appended as they came back, and nothing is re-tokenized afterwards.
+
+``GroupRollout`` makes one prompt's group either way the config asks: single-turn (generate, then
+the reward functions) or, with ``env.name``, multi-turn trajectories of an environment through the
+agent loop (``trident.agent``; the environment sets the rewards). Then the reward shaping
+(``algo.overlong_penalty``). ``collect_groups`` is the step's batch: samples that cannot be trained
+on leave it (infrastructure errors, no model-written token), and with ``algo.dynamic_sampling``
+groups whose rewards are all equal are replaced by groups of fresh prompts (DAPO).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from trident.agent.loop import AgentConfig, agent_metrics, rollout_env_group
+from trident.data.loaders import load_split
+from trident.envs import env_rows, get_spec
 from trident.models.load import encode_chat, prompt_messages
 from trident.rewards import RewardModel
 from trident.rollout.engine import RolloutEngine, SamplingParams
 from trident.sample import Sample
+
+
+def split_rows(cfg: Any, split: str) -> list[dict]:
+    """The train or test prompt rows: ``data.*_path`` if set, else the environment's data
+    generator (``env.name``, ``env.data_kwargs``), else the built-in task's split."""
+    path = cfg.data.train_path if split == "train" else cfg.data.test_path
+    if cfg.env.name and not path and get_spec(cfg.env.name).data:
+        n = cfg.data.num_train if split == "train" else cfg.data.num_test
+        return env_rows(
+            cfg.env.name, n, split, cfg.run.seed, cfg.env.show_tools, **cfg.env.data_kwargs
+        )
+    return load_split(cfg.data, split, cfg.run.seed)
+
+
+def agent_config(cfg: Any) -> AgentConfig:
+    """The agent loop's budgets from ``cfg.env`` (per-turn tokens default to the sampling
+    params' ``max_tokens``)."""
+    e = cfg.env
+    return AgentConfig(
+        max_turns=e.max_turns,
+        max_turn_tokens=e.max_turn_tokens or None,
+        max_response_tokens=e.max_response_tokens,
+        max_total_tokens=e.max_total_tokens or cfg.rollout.max_model_len,
+        max_consecutive_tool_errors=e.max_consecutive_tool_errors,
+        parser=e.parser,
+        show_tools=e.show_tools,
+        env_timeout_s=e.timeout_s,
+        drift_dump_dir=str(Path(cfg.derived.run_dir) / "token_drift"),
+    )
 
 
 def sampling_params(rollout_cfg: Any, seed: int | None = None) -> SamplingParams:
@@ -68,22 +111,6 @@ async def score(samples: list[Sample], rewards: RewardModel) -> None:
     await asyncio.gather(*(one(s) for s in samples))
 
 
-async def rollout_batch(
-    engine: RolloutEngine,
-    tokenizer,
-    rows: list[dict],
-    params: SamplingParams,
-    version: int,
-    rewards: RewardModel,
-) -> list[Sample]:
-    groups = await asyncio.gather(
-        *(generate_group(engine, tokenizer, r, params, version) for r in rows)
-    )
-    samples = [s for g in groups for s in g]
-    await score(samples, rewards)
-    return samples
-
-
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
     scored = [s for s in samples if s.reward is not None]
     rewards = [s.reward for s in scored] or [0.0]
@@ -99,3 +126,209 @@ def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
         "infra_errors": sum(s.status == "infra_error" for s in samples),
         "response_tokens": sum(lengths),
     }
+
+
+def shape_rewards(samples: list[Sample], algo_cfg: Any, max_len: int) -> None:
+    """Add DAPO's overlong penalty (``trident.algorithms.overlong_penalty``) to scored samples'
+    rewards when ``algo.overlong_penalty`` is on; ``max_len`` is the response budget L_max."""
+    if not algo_cfg.overlong_penalty:
+        return
+    from torch import tensor
+
+    from trident.algorithms import overlong_penalty
+
+    scored = [s for s in samples if s.reward is not None]
+    if not scored:
+        return
+    lengths = tensor([s.num_response_tokens for s in scored])
+    penalties = overlong_penalty(lengths, max_len, algo_cfg.overlong_buffer).tolist()
+    for s, p in zip(scored, penalties, strict=True):
+        s.reward += p
+        s.metrics["overlong_penalty"] = p
+
+
+class GroupRollout:
+    """One prompt row -> one scored group of ``rollout.n`` Samples (see the module docstring)."""
+
+    def __init__(self, cfg: Any, tokenizer: Any, rewards: RewardModel | None = None) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.rewards = rewards or RewardModel.from_config(cfg.reward)
+        self.params = sampling_params(cfg.rollout)
+        self.env = cfg.env.name
+        self.agent = agent_config(cfg) if self.env else None
+        self.max_len = cfg.response_budget
+
+    async def generate(self, engine: RolloutEngine, row: dict, version: int) -> list[Sample]:
+        """The group's samples; an environment's already carry its rewards (infrastructure
+        failures: status ``infra_error``, reward None)."""
+        if not self.env:
+            return await generate_group(engine, self.tokenizer, row, self.params, version)
+        return await rollout_env_group(
+            engine,
+            self.tokenizer,
+            self.env,
+            row,
+            self.params,
+            version,
+            self.cfg.rollout.n,
+            config=self.agent,
+            env_kwargs=self.cfg.env.kwargs,
+        )
+
+    async def finish(self, samples: list[Sample]) -> list[Sample]:
+        """Rewards of single-turn samples (the reward functions), then shaping."""
+        if not self.env:
+            await score(samples, self.rewards)
+        shape_rewards(samples, self.cfg.algo, self.max_len)
+        return samples
+
+    async def __call__(self, engine: RolloutEngine, row: dict, version: int) -> list[Sample]:
+        return await self.finish(await self.generate(engine, row, version))
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's batch: what can be trained on, and dynamic sampling
+
+
+def trainable(samples: list[Sample], exclude_infra_errors: bool = True) -> list[Sample]:
+    """Samples the loss can use: at least one model-written token (``loss_mask``), and no
+    infrastructure failure unless ``reward.exclude_infra_errors`` is off."""
+    return [
+        s
+        for s in samples
+        if s.num_response_tokens > 0 and (s.status != "infra_error" or not exclude_infra_errors)
+    ]
+
+
+def no_tokens(sample: Sample) -> bool:
+    """No model-written token to train on (e.g. the context was full before the first turn);
+    infrastructure failures are counted separately."""
+    return sample.num_response_tokens == 0 and sample.status != "infra_error"
+
+
+def has_signal(group: list[Sample]) -> bool:
+    """At least two scored samples whose rewards differ (else every group-relative advantage
+    is zero: DAPO's dynamic sampling drops the group)."""
+    rewards = [s.reward for s in group if s.reward is not None]
+    return len(rewards) >= 2 and max(rewards) - min(rewards) > 1e-9
+
+
+def select_groups(
+    groups: list[list[Sample]], needed: int
+) -> tuple[list[list[Sample]], list[list[Sample]]]:
+    """Split groups into (the first ``needed`` with signal, the rest without signal or beyond
+    ``needed``), keeping their order."""
+    kept, dropped = [], []
+    for group in groups:
+        (kept if len(kept) < needed and has_signal(group) else dropped).append(group)
+    return kept, dropped
+
+
+class SignalFilter:
+    """Dynamic sampling for the streaming drivers: a group without signal is dropped (and
+    replaced by a fresh prompt), at most ``limit`` in a row; past that, groups without signal
+    are kept until one with signal resets the count, so a saturated policy cannot stall a run."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.run = limit, 0
+        self.kept = self.dropped = 0
+
+    def keep(self, group: list[Sample]) -> bool:
+        if has_signal(group):
+            self.run = 0
+        elif self.run < self.limit:
+            self.run += 1
+            self.dropped += 1
+            return False
+        self.kept += 1
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        """Counts since the previous call."""
+        kept, dropped = self.kept, self.dropped
+        self.kept = self.dropped = 0
+        return {
+            "dynamic_sampling/dropped_groups": float(dropped),
+            "dynamic_sampling/kept_fraction": kept / max(kept + dropped, 1),
+        }
+
+
+@dataclass
+class StepBatch:
+    """One step's rollout: the samples to train on, every sample generated, and counters."""
+
+    train: list[Sample]
+    generated: list[Sample]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+GroupsMaker = Callable[[int], Awaitable[list[list[Sample]]]]
+
+
+async def collect_groups(
+    make: GroupsMaker,
+    groups: int,
+    *,
+    dynamic: bool = False,
+    max_rounds: int = 1,
+    exclude_infra_errors: bool = True,
+) -> StepBatch:
+    """The step's groups: ``make(k)`` generates and scores ``k`` groups of fresh prompts.
+
+    Without dynamic sampling: one round of ``groups`` groups, untrainable samples removed.
+    With it (DAPO): groups whose trainable samples' rewards are all equal are dropped, and more
+    prompts are generated, in at most ``max_rounds`` rounds, until ``groups`` groups with signal
+    are collected. Each later round asks for the missing groups divided by the fraction kept so
+    far (at most ``groups``). If no round produced a group with signal, the last round's groups
+    are trained on (their advantages are zero; the step and its weight sync still happen).
+    """
+    generated: list[Sample] = []
+    kept: list[list[Sample]] = []
+    last: list[list[Sample]] = []
+    made = rounds = untrainable = 0
+    ask = groups
+    while True:
+        rounds += 1
+        raw = await make(ask)
+        made += len(raw)
+        generated += [s for g in raw for s in g]
+        usable = [trainable(g, exclude_infra_errors) for g in raw]
+        untrainable += sum(no_tokens(s) for g in raw for s in g)
+        if not dynamic:
+            kept = [g for g in usable if g]
+            break
+        last = [g for g in usable if g]
+        new, _ = select_groups(usable, groups - len(kept))
+        kept += new
+        if len(kept) >= groups or rounds >= max_rounds:
+            break
+        rate = len(kept) / made
+        ask = groups if rate == 0 else min(groups, math.ceil((groups - len(kept)) / rate))
+    metrics = {"untrainable_samples": float(untrainable)}
+    if dynamic:
+        metrics |= {
+            "dynamic_sampling/rounds": float(rounds),
+            "dynamic_sampling/generated_groups": float(made),
+            "dynamic_sampling/kept_groups": float(len(kept)),
+            "dynamic_sampling/dropped_groups": float(made - len(kept)),
+            "dynamic_sampling/kept_fraction": len(kept) / made,
+        }
+        if not kept:
+            kept = last
+    return StepBatch([s for g in kept for s in g], generated, metrics)
+
+
+def step_metrics(batch: StepBatch, env: bool) -> dict[str, float]:
+    """Rollout metrics of every generated sample (the policy's performance, whatever dynamic
+    sampling kept), agent metrics for environment runs, and the batch's counters."""
+    metrics = rollout_metrics(batch.generated) | batch.metrics
+    metrics["trained_samples"] = float(len(batch.train))
+    if env:
+        metrics |= agent_metrics(batch.generated)
+    penalties = [
+        s.metrics["overlong_penalty"] for s in batch.generated if "overlong_penalty" in s.metrics
+    ]
+    if penalties:
+        metrics["overlong/penalty_mean"] = sum(penalties) / len(penalties)
+        metrics["overlong/penalized_fraction"] = sum(p < 0 for p in penalties) / len(penalties)
+    return metrics

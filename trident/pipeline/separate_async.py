@@ -31,9 +31,17 @@ and weights each token by min(π_prox/μ, cap) (``algo.is_*``, token TIS by defa
 engine logprob of the version that sampled the token. With PPO clipping around π_prox that is
 decoupled PPO (Hilton et al. 2021; AReaL) exactly, so stale tokens need no trainer change.
 
+Environments (``env.name``): each trajectory's turns are requests through the same
+``PartialRollout``, so a weight update can interrupt a turn (resumed like any request) or fall
+between two turns; each token keeps the version that produced it (``VersionedCompletion``).
+
+Dynamic sampling (``algo.dynamic_sampling``): a group whose rewards are all equal is dropped and
+the buffer admits a fresh prompt in its place, at most ``(dynamic_sampling_rounds - 1) ·
+prompts_per_step`` groups in a row (then such groups are trained on, with zero advantages, until
+a group with signal comes back), so a saturated policy cannot stall the run.
+
 Simplifications: one weight sync per optimizer round (every step); the gate stops all servers
-during a sync (vLLM cannot generate while its weights are swapped in place anyway); prompts and
-tool turns are single-turn.
+during a sync (vLLM cannot generate while its weights are swapped in place anyway).
 """
 
 from __future__ import annotations
@@ -43,16 +51,25 @@ import contextlib
 import json
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from trident.data.loaders import PromptCursor, load_split
+from trident.agent.loop import agent_metrics
+from trident.data.loaders import PromptCursor
 from trident.eval import evaluate, heldout_rows
 from trident.models.load import load_tokenizer
 from trident.pipeline.buffer import GroupTicket, RolloutBuffer
 from trident.pipeline.progress import StepProgress
-from trident.pipeline.rollout import generate_group, rollout_metrics, sampling_params, score
+from trident.pipeline.rollout import (
+    GroupRollout,
+    SignalFilter,
+    no_tokens,
+    rollout_metrics,
+    sampling_params,
+    split_rows,
+    trainable,
+)
 from trident.pipeline.run import save_checkpoint, weight_backend
 from trident.rewards import RewardModel
 from trident.rollout.engine import Completion, EngineError, SamplingParams
@@ -163,6 +180,13 @@ class WeightGate:
         return {**metrics, "aborted_requests": float(aborted)}
 
 
+@dataclass
+class VersionedCompletion(Completion):
+    """A completion put together from segments: the version of each of its tokens."""
+
+    versions: list[int] = field(default_factory=list)
+
+
 class PartialRollout:
     """``generate`` for one group under live weight updates: each of the ``n`` samples is its own
     request, resumed from prompt + partial output whenever an update aborts it. After
@@ -224,10 +248,12 @@ class PartialRollout:
             self.stats.segments += 1
             self.stats.generated_tokens += len(out.token_ids)
             if out.finish_reason != "abort":
-                return Completion(tokens, logprobs, out.finish_reason, version), versions, resumes
+                done = VersionedCompletion(tokens, logprobs, out.finish_reason, version, versions)
+                return done, versions, resumes
             self.stats.aborted += 1
             if len(tokens) >= params.max_tokens:  # aborted right at the end: it is complete
-                return Completion(tokens, logprobs, "length", version), versions, resumes
+                done = VersionedCompletion(tokens, logprobs, "length", version, versions)
+                return done, versions, resumes
             resumes += 1
             aborted = True
         raise EngineError(f"a request came back aborted {MAX_RESUMES} times")
@@ -400,10 +426,9 @@ class AsyncRun:
         self.router = fleet.router
         self.run_dir = Path(cfg.derived.run_dir)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.cursor = PromptCursor(
-            load_split(cfg.data, "train", cfg.run.seed), cfg.run.seed, cfg.data.shuffle
-        )
+        self.cursor = PromptCursor(split_rows(cfg, "train"), cfg.run.seed, cfg.data.shuffle)
         self.rewards = RewardModel.from_config(cfg.reward)
+        self.rollout = GroupRollout(cfg, self.tokenizer, self.rewards)
         self.params = sampling_params(cfg.rollout)
         self.trainer = RayTrainer(trainer)
         self.trace = Trace(asyncio.get_running_loop().time)
@@ -417,6 +442,9 @@ class AsyncRun:
         self.progress = StepProgress(cfg.pipeline.steps, enabled=cfg.telemetry.progress)
         self.results: dict[str, Any] = {}
         self.start = self.step_start = 0.0
+        self.window: Counter[str] = Counter()  # counts since the last step's log
+        rounds = cfg.pipeline.dynamic_sampling_rounds
+        self.signal = SignalFilter((rounds - 1) * cfg.pipeline.prompts_per_step)
 
     async def begin(self) -> None:
         await asyncio.to_thread(
@@ -432,16 +460,28 @@ class AsyncRun:
         return self.cursor.next_batch(1)[0]
 
     async def score(self, samples: list[Sample]) -> list[Sample]:
-        """Rewards for a group; infrastructure failures leave the loss (``reward.*``)."""
+        """Rewards for a group, then what the loss can use: infrastructure failures leave it
+        (``reward.*``), so do samples without a model-written token; with dynamic sampling a
+        group without signal comes back empty (the buffer then starts a fresh prompt)."""
         with self.trace.span("reward", "reward", samples=len(samples)):
-            await score(samples, self.rewards)
-        if not self.cfg.reward.exclude_infra_errors:
-            return samples
-        return [s for s in samples if s.status != "infra_error"]
+            await self.rollout.finish(samples)
+        kept = trainable(samples, self.cfg.reward.exclude_infra_errors)
+        self.window["infra_errors"] += sum(s.status == "infra_error" for s in samples)
+        self.window["untrainable_samples"] += sum(no_tokens(s) for s in samples)
+        if self.cfg.algo.dynamic_sampling and kept and not self.signal.keep(kept):
+            return []
+        return kept
 
     async def on_step(self, step: int, samples: list[Sample], metrics: dict[str, float]) -> None:
         cfg, now = self.cfg, self.trace.now()
         metrics = rollout_metrics(samples) | metrics
+        metrics["infra_errors"] = self.window["infra_errors"]
+        metrics["untrainable_samples"] = float(self.window["untrainable_samples"])
+        if cfg.env.name:
+            metrics |= agent_metrics(samples)
+        if cfg.algo.dynamic_sampling:
+            metrics |= self.signal.metrics()
+        self.window.clear()
         metrics |= staleness_metrics(samples, step, cfg.pipeline.max_staleness)
         metrics |= {
             "version": step + 1,
@@ -503,8 +543,10 @@ async def train(cfg: Any, fleet: Any, trainer: Any, log: Any) -> dict[str, Any]:
     async def make_group(ticket: GroupTicket) -> list[Sample]:
         row = run.next_row()
         partial = PartialRollout(run.router, gate, run.trace, run.stats)
-        samples = await generate_group(partial, run.tokenizer, row, run.params, ticket.version)
-        return await run.score(partial.tag(samples))
+        samples = await run.rollout.generate(partial, row, ticket.version)
+        if not cfg.env.name:  # trajectories take their versions from each turn's completion
+            partial.tag(samples)
+        return await run.score(samples)
 
     await run_separate(
         run.buffer, gate, make_group, run.trainer, cfg.pipeline.steps, run.trace, run.on_step

@@ -1,0 +1,432 @@
+"""The algorithms wired into the trainer: unit tests of the wiring, and learning tests.
+
+Wiring (in-process ``PolicyWorker``, one gloo rank, the tiny model, hand-made samples): the
+critic's value head, GAE, KL in the reward and the adaptive KL coefficient, the per-prompt running
+baseline with single samples, teacher routing and the distillation advantage; and two ranks
+compute what one rank computes (critic, KL in the reward and a teacher together, with
+micro-batches that differ in number between the ranks).
+
+Learning (real vLLM, FSDP2, Ray, like ``test_rl_e2e.py``, which is the GRPO learning test):
+from the mixed-style SFT warm-up, where only ``Answer: N`` earns reward, each algorithm must
+raise the accuracy within a fixed step budget. PPO with a critic and on-policy distillation
+(teacher: the single-style SFT checkpoint, reward weight 0) run in CI; the other presets are
+marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from trident import algorithms as alg
+from trident.config import ConfigError, load_config
+from trident.data.tasks import generate_split, get_task
+from trident.models.load import encode_chat, load_tokenizer, prompt_messages
+from trident.pipeline.run import run_train
+from trident.sample import Sample
+from trident.telemetry.metrics import read_metrics
+
+# -- wiring ------------------------------------------------------------------------------------
+
+BASE = ["trainer.cpu_threads=1", "algo.is_level=none", "telemetry.progress=false"]
+
+
+def make_samples(tokenizer, prompts: int = 4, n: int = 4, seed: int = 0) -> list[Sample]:
+    """Scored samples of arithmetic prompts in the three answer styles, as rollout makes them."""
+    rng = random.Random(seed)
+    task = get_task("arithmetic")
+    rows = [{**r, "task": "arithmetic"} for r in generate_split(task, "train", prompts, seed=seed)]
+    samples = []
+    for p, row in enumerate(rows):
+        prompt_ids = encode_chat(tokenizer, prompt_messages(row["prompt"]))
+        for k in range(n):
+            text = rng.choice([f"Answer: {row['answer']}", f"= {row['answer']}", "Answer: 7"])
+            response = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+            pl, rl = len(prompt_ids), len(response)
+            samples.append(
+                Sample(
+                    id=f"p{p}-{k}",
+                    group_id=f"p{p}-{seed}",
+                    token_ids=prompt_ids + response,
+                    loss_mask=[0] * pl + [1] * rl,
+                    logprobs=[0.0] * (pl + rl),
+                    versions=[-1] * pl + [0] * rl,
+                    reward=task.verify(text, row),
+                    metadata={"row": row, "response": text},
+                )
+            )
+    return samples
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory) -> str:
+    """The tiny architecture with other random weights and the same tokenizer."""
+    from trident.models.factory import init_model
+
+    return str(init_model(tmp_path_factory.mktemp("models") / "tiny_seed1", "tiny", seed=1))
+
+
+@pytest.fixture
+def make_worker():
+    """Build in-process one-rank workers; their process group is destroyed afterwards."""
+    from trident.rollout.vllm_server import free_port
+    from trident.train.policy import PolicyWorker
+
+    workers = []
+
+    def make(*overrides: str):
+        cfg = load_config([], [*BASE, *overrides])
+        worker = PolicyWorker(cfg, 0, 1, "127.0.0.1", free_port())
+        workers.append(worker)
+        return worker
+
+    yield make
+    for w in workers:
+        w.shutdown()
+
+
+def grids_for(worker, samples):
+    """The whole batch's per-token grids, as train_step builds them (one rank)."""
+    from trident.train.batch import collate
+
+    full = collate(samples, worker.tokenizer.pad_token_id)
+    local = worker._recompute(full, samples)
+    return full, worker._gather(local, list(range(len(samples))), full.mask.shape)
+
+
+def test_ppo_critic_learns_values(make_worker, tiny_model):
+    worker = make_worker(
+        f"model.path={tiny_model}",
+        "algo.name=ppo",
+        "algo.lam=1.0",  # Monte Carlo returns: fixed targets (the rewards)
+        "trainer.critic_lr=1e-3",
+        "trainer.lr=1e-6",
+    )
+    samples = make_samples(worker.tokenizer)
+    first = worker.train_step(samples)
+    assert first["value_mean"] == 0.0  # zero-initialised head
+    assert first["explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    for key in ("value_loss", "critic_grad_norm", "return_mean", "loss", "grad_norm"):
+        assert key in first and first[key] == first[key], key  # present, not NaN
+    history = [worker.train_step(samples) for _ in range(15)]
+    assert history[-1]["value_loss"] < 0.5 * first["value_loss"], [
+        round(m["value_loss"], 4) for m in history
+    ]
+    assert history[-1]["explained_variance"] > 0.2, [
+        round(m["explained_variance"], 3) for m in history
+    ]
+
+
+def test_gae_advantages_use_the_critic_and_are_whitened(make_worker, tiny_model):
+    worker = make_worker(f"model.path={tiny_model}", "algo.name=ppo", "algo.lam=0.9")
+    samples = make_samples(worker.tokenizer)
+    full, grids = grids_for(worker, samples)
+    grids["values"] = torch.rand_like(full.mask) * full.mask  # a critic that is not zero
+    adv, returns, metrics = worker.advantages(samples, full, grids)
+    rewards = torch.tensor([s.reward for s in samples])
+    raw, expected_returns = alg.gae_advantages_and_returns(
+        rewards, grids["values"], full.mask, gamma=1.0, lam=0.9
+    )
+    torch.testing.assert_close(adv, alg.masked_whiten(raw, full.mask))
+    torch.testing.assert_close(returns, expected_returns)
+    assert set(metrics) >= {"value_mean", "explained_variance"}
+
+
+def test_kl_in_reward_and_adaptive_coefficient(make_worker, tiny_model, other_model):
+    worker = make_worker(
+        f"model.path={tiny_model}",
+        f"model.ref_path={other_model}",
+        "algo.name=reinforce_pp",
+        "algo.kl_coef=0.05",
+        "algo.kl_target=0.01",
+        "algo.kl_horizon=100",
+    )
+    assert worker.cfg.algo.kl_in_reward and worker.cfg.algo.kl_estimator == "k1"
+    samples = make_samples(worker.tokenizer)
+    full, grids = grids_for(worker, samples)
+    adv, _, metrics = worker.advantages(samples, full, grids)
+    rewards = torch.tensor([s.reward for s in samples])
+    kl = alg.kl_estimate(grids["old"], grids["ref"], "k1") * full.mask
+    shaped = alg.kl_penalty_in_reward(rewards, kl, full.mask, 0.05)
+    torch.testing.assert_close(adv, alg.compute_advantages("reinforce_pp", shaped, None, full.mask))
+    assert metrics["kl_ref"] > 0.01  # other random weights: measured ~0.1 per token
+    out = worker.train_step(samples)
+    assert out["kl_coef"] == 0.05  # the coefficient this step used ...
+    assert "kl_ref" in out and worker.kl_coef > 0.05  # ... raised: the KL is above target
+    # per-sample KL far above target: error clipped at +0.2, B = 16 samples, horizon 100
+    assert worker.kl_coef == pytest.approx(0.05 * (1 + 0.2 * 16 / 100))
+
+
+def test_adaptive_kl_in_the_loss(make_worker, tiny_model):
+    worker = make_worker(
+        f"model.path={tiny_model}", "algo.kl_coef=0.1", "algo.kl_target=100", "algo.kl_horizon=10"
+    )
+    out = worker.train_step(make_samples(worker.tokenizer))
+    # reference = initial policy: KL ~ 0, far below target -> the coefficient shrinks by 1 - 0.2 * 16/10
+    assert out["kl_coef"] == 0.1 and out["kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert worker.kl_coef == pytest.approx(0.1 * (1 - 0.2 * 16 / 10))
+
+
+def test_running_baseline_with_single_samples(make_worker, tiny_model):
+    worker = make_worker(
+        f"model.path={tiny_model}",
+        "algo.advantage=running_baseline",
+        "rollout.n=1",
+        "algo.baseline_decay=0.5",
+    )
+    tok = worker.tokenizer
+    first = make_samples(tok, prompts=4, n=1, seed=3)
+    second = make_samples(tok, prompts=4, n=1, seed=3)  # the same prompts, new groups
+    for s, r in zip(second, [1.0, 0.0, 1.0, 0.0], strict=True):
+        s.reward = r
+    full1, g1 = grids_for(worker, first)
+    worker.advantages(first, full1, g1)
+    full2, g2 = grids_for(worker, second)
+    adv, _, _ = worker.advantages(second, full2, g2)
+    # keyed by prompt (not by group): the baseline of step 2 is the reward of step 1
+    for i, (s1, s2) in enumerate(zip(first, second, strict=True)):
+        last = int(full2.mask[i].nonzero().max())
+        assert float(adv[i, last]) == pytest.approx(s2.reward - s1.reward)
+    assert len(worker.baseline_state["per_prompt"]) == 4
+    worker.train_step(second)  # and a whole step runs
+
+
+def test_distillation_advantage_and_routing(make_worker, tiny_model, other_model):
+    worker = make_worker(
+        f"model.path={tiny_model}",
+        "algo.name=opd",
+        "algo.distill_coef=0.5",
+        f"model.teacher_paths={{arithmetic: {other_model}, default: {tiny_model}}}",
+    )
+    samples = make_samples(worker.tokenizer)
+    countdown = make_samples(worker.tokenizer, prompts=1, seed=9)
+    for s in countdown:
+        s.metadata["row"] = {**s.metadata["row"], "task": "countdown"}
+    assert worker.teacher_key(samples[0]) == "arithmetic"
+    assert worker.teacher_key(countdown[0]) == "default"
+    batch = samples + countdown
+    full, grids = grids_for(worker, batch)
+    adv, _, metrics = worker.advantages(batch, full, grids)
+    mask = full.mask
+    expected = -0.5 * (grids["old"] - grids["teacher"]) * mask  # reward_coef = 0
+    torch.testing.assert_close(adv, expected)
+    n = len(samples)
+    # the default teacher is the student itself: zero reverse KL there, positive elsewhere
+    gap = (grids["teacher"] - grids["old"]).mul(mask)[n:].abs().max()
+    assert float(gap) < 1e-5
+    assert metrics["distill_kl/default"] == pytest.approx(0.0, abs=1e-5)
+    assert metrics["distill_kl/arithmetic"] > 0.01
+    assert metrics["distill_kl"] == pytest.approx(
+        float((grids["old"] - grids["teacher"]).mul(mask).sum() / mask.sum())
+    )
+    out = worker.train_step(batch)
+    assert out["distill_kl"] > 0 and "distill_kl/arithmetic" in out
+
+
+def test_sample_without_teacher_is_a_clear_error(make_worker, tiny_model):
+    worker = make_worker(
+        f"model.path={tiny_model}", "algo.name=opd", f"model.teacher_paths.arithmetic={tiny_model}"
+    )
+    sample = make_samples(worker.tokenizer, prompts=1, n=1)[0]
+    sample.metadata["row"] = {**sample.metadata["row"], "task": "countdown"}
+    with pytest.raises(ValueError, match="task 'countdown', which has no teacher"):
+        worker.train_step([sample])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algo.name=opd"], "needs a teacher"),
+        (
+            ["algo.name=opd", "model.teacher_paths.countdown=/t"],
+            "data.task=arithmetic has no teacher",
+        ),
+        (["model.teacher_paths.default=/t"], "loaded and ignored"),
+        (["algo.use_critic=true"], "only algo.advantage=gae uses"),
+        (["algo.kl_target=0.1"], "set algo.kl_coef > 0"),
+        (["algo.reward_coef=0"], "nothing to learn from"),
+        (["rollout.n=1"], "running_baseline for single samples"),
+    ],
+)
+def test_bad_combinations_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([], overrides)
+
+
+def test_good_combinations_are_accepted():
+    for overrides in (
+        ["algo.name=ppo"],
+        ["algo.name=reinforce_pp"],
+        ["algo.advantage=running_baseline", "rollout.n=1"],
+        ["algo.name=opd", "model.teacher_paths.default=/t", "rollout.n=1"],
+        ["algo.name=opd", "model.teacher_paths.arithmetic=/t"],
+        ["algo.kl_coef=0.01", "algo.kl_target=0.5"],
+        ["algo.name=ppo", "algo.kl_coef=0.01", "algo.kl_in_reward=true"],
+    ):
+        load_config([], overrides)
+
+
+RANKS_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch.multiprocessing as mp
+    from trident.config import load_config
+    from trident.rollout.vllm_server import free_port
+
+    def main(rank, world, port, overrides, samples_path, out):
+        import pickle
+        from trident.train.policy import PolicyWorker
+        worker = PolicyWorker(load_config([], overrides), rank, world, "127.0.0.1", port)
+        samples = pickle.load(open(samples_path, "rb"))
+        metrics = [worker.train_step(samples) for _ in range(2)]
+        if rank == 0:
+            json.dump(metrics, open(out, "w"))
+        worker.shutdown()
+
+    if __name__ == "__main__":
+        world, samples_path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+        overrides = json.loads(sys.argv[4])
+        mp.spawn(main, args=(world, free_port(), overrides, samples_path, out), nprocs=world)
+    """
+)
+
+
+def test_two_ranks_compute_what_one_rank_computes(tmp_path, make_worker, tiny_model, other_model):
+    import pickle
+
+    tokenizer = load_tokenizer(tiny_model)
+    samples = make_samples(tokenizer, prompts=5, n=3, seed=1)  # 15: the ranks get 8 and 7
+    samples_path = tmp_path / "samples.pkl"
+    samples_path.write_bytes(pickle.dumps(samples))
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_SCRIPT)
+    overrides = [
+        *BASE,
+        f"model.path={tiny_model}",
+        "algo.name=ppo",
+        f"model.ref_path={other_model}",
+        "algo.kl_coef=0.01",
+        "algo.kl_in_reward=true",
+        "algo.distill_coef=0.1",
+        f"model.teacher_paths.default={other_model}",
+        "trainer.mini_batches=2",
+        "trainer.micro_batch_tokens=64",  # a few rows per micro-batch: counts differ by rank
+    ]
+    out = tmp_path / "metrics.json"
+    subprocess.run(
+        [sys.executable, str(script), "2", str(samples_path), str(out), json.dumps(overrides)],
+        check=True,
+        timeout=600,
+    )
+    two_ranks = json.loads(out.read_text())
+    worker = make_worker(*overrides)
+    one_rank = [worker.train_step(samples) for _ in range(2)]
+    for one, two in zip(one_rank, two_ranks, strict=True):
+        for key in ("loss", "value_loss", "grad_norm", "critic_grad_norm", "kl_ref",
+                    "distill_kl", "explained_variance", "value_mean", "entropy"):  # fmt: skip
+            assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+
+
+# -- learning ----------------------------------------------------------------------------------
+#
+# Start: the mixed-style warm-up (``sft_mixed_model``). Its arithmetic is weak (300 SFT steps:
+# ~2% of samples are correct, and that does not move within a few steps), but half of its answers
+# are in the style the verifier refuses, so the reward (verifier + 0.5 x format, as in
+# test_rl_e2e) has room to rise: from ~0.22 to ~0.33 in 8 steps. Each test compares the mean
+# reward of the first and last 3 steps of one run (16 prompts x 8 samples per step).
+# Measured on the 2-core machine under load 5-12 (other jobs): see MEASURED.
+
+LEARN = [
+    "pipeline.prompts_per_step=16",
+    "trainer.cpu_threads=1",
+    "reward.fns=[{name: task, weight: 1.0}, {name: format, weight: 0.5}]",
+    "eval.before_after=false",
+    "telemetry.progress=false",
+]
+
+# start -> end (mean reward of the first / last 3 steps) and seconds of the run, as configured
+# below, on the 2-core machine with other jobs running (load 2-12), seeds 0, 1, 2 where listed.
+MEASURED = {
+    "ppo": "0.264 -> 0.445 (135 s), 0.254 -> 0.430 (156 s), 0.261 -> 0.432 (246 s)",
+    "opd": "0.248 -> 0.372 (134 s), 0.254 -> 0.333 (176 s); distill_kl 3.9 -> 2.7",
+    "dapo": "0.262 -> 0.328 (100 s)",
+    "gspo": "0.234 -> 0.330 (132 s), 0.244 -> 0.349 (165 s)",
+    "rloo": "0.236 -> 0.384 (107 s)",
+    "reinforce_pp": "0.245 -> 0.356 (101 s), 0.220 -> 0.363 (199 s)",
+}
+
+
+def learn(model: str, tmp_path_factory, name: str, steps: int, *overrides: str) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp(name)
+    cfg = load_config(
+        [],
+        [f"model.path={model}", f"run.dir={run_dir}", f"run.name={name}",
+         f"pipeline.steps={steps}", *LEARN, *overrides],
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    run_train(cfg)
+    metrics = read_metrics(cfg.derived.run_dir)
+    print(
+        f"{name}: reward {[round(m['reward_mean'], 3) for m in metrics]}, "
+        f"accuracy {[round(m['accuracy'], 3) for m in metrics]}, {time.perf_counter() - t0:.0f} s"
+    )
+    return metrics
+
+
+def first_last(metrics: list[dict], key: str, k: int = 3) -> tuple[float, float]:
+    return (
+        sum(m[key] for m in metrics[:k]) / k,
+        sum(m[key] for m in metrics[-k:]) / k,
+    )
+
+
+def test_ppo_with_a_critic_learns(sft_mixed_model, tmp_path_factory):
+    metrics = learn(
+        sft_mixed_model, tmp_path_factory, "ppo", 8,
+        "algo.name=ppo", "trainer.lr=1e-3", "trainer.critic_lr=1e-3",
+    )  # fmt: skip
+    start, end = first_last(metrics, "reward_mean")
+    assert end > start + 0.02, [round(m["reward_mean"], 3) for m in metrics]
+    # the critic learns too: its loss halves (measured 0.38-0.5x). Its explained variance stays
+    # small here (0-0.1: the return depends on tokens the state has not seen yet)
+    assert metrics[0]["explained_variance"] == pytest.approx(0.0, abs=1e-6)  # zero head
+    v_start, v_end = first_last(metrics, "value_loss")
+    assert v_end < 0.75 * v_start, [round(m["value_loss"], 4) for m in metrics]
+
+
+def test_on_policy_distillation_learns(sft_mixed_model, sft_model, tmp_path_factory):
+    """Teacher: the warm-up that answers in the verifier's style only. Reward weight 0 (the
+    ``opd`` preset): the student learns from the teacher's per-token logprobs alone, and the
+    reward, which it never sees, rises."""
+    metrics = learn(
+        sft_mixed_model, tmp_path_factory, "opd", 8,
+        "algo.name=opd", f"model.teacher_paths.default={sft_model}", "trainer.lr=5e-4",
+    )  # fmt: skip
+    start, end = first_last(metrics, "reward_mean")
+    assert end > start + 0.02, [round(m["reward_mean"], 3) for m in metrics]
+    kl_start, kl_end = first_last(metrics, "distill_kl")
+    assert kl_end < 0.9 * kl_start, [round(m["distill_kl"], 3) for m in metrics]
+
+
+# GRPO: test_rl_e2e.py::test_reward_rises (12 steps, lr 3e-4).
+SLOW_PRESETS = {
+    "dapo": ["algo.name=dapo", "trainer.lr=5e-4"],
+    "gspo": ["algo.name=gspo", "trainer.lr=5e-4"],
+    "rloo": ["algo.name=rloo", "trainer.lr=5e-4"],
+    "reinforce_pp": ["algo.name=reinforce_pp", "trainer.lr=5e-4"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", sorted(SLOW_PRESETS))
+def test_preset_learns(preset, sft_mixed_model, tmp_path_factory):
+    metrics = learn(sft_mixed_model, tmp_path_factory, preset, 8, *SLOW_PRESETS[preset])
+    start, end = first_last(metrics, "reward_mean")
+    assert end > start + 0.02, [round(m["reward_mean"], 3) for m in metrics]
