@@ -39,6 +39,9 @@ spec                                 backend                                    
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -211,6 +214,29 @@ def make_sandbox(spec: str | None = None, **kwargs: Any) -> Sandbox:
         f"unknown sandbox {spec!r}: use 'local', 'http://HOST:PORT' (trident sandbox serve), "
         "'sandboxfusion+http://HOST:PORT' or 'e2b[:TEMPLATE]'"
     )
+
+
+class BlockingClient:
+    """For backends whose ``run`` blocks (HTTP and SDK clients): ``run_async`` runs it on the
+    backend's own thread pool, ``self._executor``."""
+
+    _executor: concurrent.futures.Executor
+
+    async def run_async(
+        self,
+        cmd: list[str],
+        *,
+        stdin: str | bytes = b"",
+        files: Mapping[str, str | bytes] | None = None,
+        timeout_s: float = 10.0,
+        memory_mb: int = 1024,
+        env: Mapping[str, str] | None = None,
+    ) -> SandboxResult:
+        call = functools.partial(
+            self.run,  # type: ignore[attr-defined]
+            cmd, stdin=stdin, files=files, timeout_s=timeout_s, memory_mb=memory_mb, env=env,
+        )  # fmt: skip
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
 
 def __getattr__(name: str) -> Any:

@@ -48,7 +48,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from trident.sandbox import SandboxResult, SessionClosedError, SessionKind
+from trident.sandbox import BlockingClient, SandboxResult, SessionClosedError, SessionKind
 from trident.sandbox.bwrap import _as_bytes, _check_relpath, classify
 
 WORK_DIR = "/home/user/trident"
@@ -64,7 +64,7 @@ def _import_sdk() -> Any:
     return e2b_code_interpreter
 
 
-class E2BSandbox:
+class E2BSandbox(BlockingClient):
     """``trident.sandbox.Sandbox`` on e2b cloud sandboxes (one per run, one per session)."""
 
     def __init__(
@@ -165,24 +165,6 @@ class E2BSandbox:
             return SandboxResult("timeout", None, out, err, ran_s, cut_out or cut_err)
         return SandboxResult(
             classify(exit_code, err), exit_code, out, err, ran_s, cut_out or cut_err
-        )
-
-    async def run_async(
-        self,
-        cmd: list[str],
-        *,
-        stdin: str | bytes = b"",
-        files: Mapping[str, str | bytes] | None = None,
-        timeout_s: float = 10.0,
-        memory_mb: int = 1024,
-        env: Mapping[str, str] | None = None,
-    ) -> SandboxResult:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor,
-            lambda: self.run(
-                cmd, stdin=stdin, files=files, timeout_s=timeout_s, memory_mb=memory_mb, env=env
-            ),
         )
 
     def open_session(self, *, ttl_s: float = 600.0, memory_mb: int = 1024) -> E2BSession:

@@ -44,7 +44,6 @@ SandboxFusion server (a large Docker image) was not run.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import concurrent.futures
 import contextlib
@@ -56,14 +55,14 @@ from typing import Any
 
 import httpx
 
-from trident.sandbox import SandboxResult
+from trident.sandbox import BlockingClient, SandboxResult
 from trident.sandbox.bwrap import _as_bytes, _check_relpath, classify
 
 _PYTHON = re.compile(r"python(3(\.\d+)?)?")
 _RETRY_STATUSES = (500, 502, 503, 504)
 
 
-class SandboxFusionSandbox:
+class SandboxFusionSandbox(BlockingClient):
     """``trident.sandbox.Sandbox`` over a SandboxFusion server's ``/run_code``."""
 
     def __init__(
@@ -219,24 +218,6 @@ class SandboxFusionSandbox:
         if isinstance(outcome, str):
             return SandboxResult.infra_error(outcome, time.monotonic() - start)
         return self.to_result(outcome, time.monotonic() - start)
-
-    async def run_async(
-        self,
-        cmd: list[str],
-        *,
-        stdin: str | bytes = b"",
-        files: Mapping[str, str | bytes] | None = None,
-        timeout_s: float = 10.0,
-        memory_mb: int = 1024,
-        env: Mapping[str, str] | None = None,
-    ) -> SandboxResult:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor,
-            lambda: self.run(
-                cmd, stdin=stdin, files=files, timeout_s=timeout_s, memory_mb=memory_mb, env=env
-            ),
-        )
 
     def open_session(self, *, ttl_s: float = 600.0, memory_mb: int = 1024) -> Any:
         raise NotImplementedError(

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 from aiohttp import web
 
-from trident.sandbox import SandboxResult, SessionClosedError, SessionKind
+from trident.sandbox import BlockingClient, SandboxResult, SessionClosedError, SessionKind
 from trident.sandbox.pool import PoolSession, SandboxPool
 
 
@@ -186,7 +186,7 @@ def serve(
 # -- client ----------------------------------------------------------------------------------
 
 
-class RemoteSandbox:
+class RemoteSandbox(BlockingClient):
     """``Sandbox`` backed by a ``trident sandbox serve`` service."""
 
     def __init__(
@@ -293,24 +293,6 @@ class RemoteSandbox:
             "env": dict(env) if env else None,
         }
         return self._result(self._request("POST", "/run", body, timeout_s, idempotent=True), start)
-
-    async def run_async(
-        self,
-        cmd: list[str],
-        *,
-        stdin: str | bytes = b"",
-        files: Mapping[str, str | bytes] | None = None,
-        timeout_s: float = 10.0,
-        memory_mb: int = 1024,
-        env: Mapping[str, str] | None = None,
-    ) -> SandboxResult:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor,
-            lambda: self.run(
-                cmd, stdin=stdin, files=files, timeout_s=timeout_s, memory_mb=memory_mb, env=env
-            ),
-        )
 
     def open_session(self, *, ttl_s: float = 600.0, memory_mb: int = 1024) -> RemoteSession:
         return RemoteSession(self, ttl_s=ttl_s, memory_mb=memory_mb)
