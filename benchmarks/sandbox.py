@@ -297,9 +297,9 @@ def markdown(results: dict) -> str:
     load = results["host"]["loadavg_before"][0]
     lines += [
         "",
-        f"Reading: wall-clock rows include waiting for a core, and this host's other tenants kept "
-        f"its load average at {load} on {results['host']['cores']} cores, so they measure the host "
-        "as much as the sandbox (the floor moves with it too). `CPU per run` counts only the work "
+        f"Reading: wall-clock rows include waiting for a core (load average {load} on "
+        f"{results['host']['cores']} cores when the run started); on a busy host they measure the "
+        "host as much as the sandbox (the floor moves with it too). `CPU per run` counts only the work "
         "of this process and everything it started (cgroup cpuacct), so its inverse is what one "
         "idle core sustains; `start min` is the best start seen. The sessions-in-4-GiB figure is "
         "extrapolated from the measured PSS, not measured.",
