@@ -58,6 +58,13 @@ class RolloutEngine(Protocol):
         """Called by supervision between steps."""
 
 
+DROPPED_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+def engine_error(where: str, error: Exception) -> EngineError:
+    return EngineError(f"{where}: {type(error).__name__}: {error}")
+
+
 class VLLMClient:
     """HTTP client of one vLLM server (``RolloutEngine``)."""
 
@@ -72,7 +79,11 @@ class VLLMClient:
     def http(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
-            limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+            # Idle pooled connections expire after 2 s, before the server's keep-alive timeout
+            # (5 s in vLLM's uvicorn), so the client does not reuse one the server is closing.
+            limits = httpx.Limits(
+                max_connections=512, max_keepalive_connections=64, keepalive_expiry=2.0
+            )
             self._client = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
             self._loop = loop
         return self._client
@@ -80,12 +91,20 @@ class VLLMClient:
     async def _post(
         self, path: str, payload: dict | None = None, timeout: float | None = None
     ) -> dict:
-        try:
-            r = await self.http.post(
-                f"{self.url}{path}", json=payload or {}, timeout=timeout or self.timeout_s
-            )
-        except httpx.HTTPError as e:
-            raise EngineError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
+        for attempt in range(2):
+            try:
+                r = await self.http.post(
+                    f"{self.url}{path}", json=payload or {}, timeout=timeout or self.timeout_s
+                )
+                break
+            except DROPPED_CONNECTION as e:
+                # A connection that dropped without an answer is retried once, on a new one: a
+                # pooled connection can be closed by the server as it is reused (seen under load
+                # after a long pause, e.g. a checkpoint save). A dead server fails again.
+                if attempt:
+                    raise engine_error(self.url + path, e) from e
+            except httpx.HTTPError as e:
+                raise engine_error(self.url + path, e) from e
         if r.status_code != 200:
             raise EngineError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
         return r.json() if r.content else {}
