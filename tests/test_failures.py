@@ -1,6 +1,8 @@
-"""Failure handling of the RL loop: a server that cannot start, an exception mid-run, Ctrl-C.
-After each, no vLLM, Ray or trainer process of the run may be left."""
+"""Failure handling of the RL loop: a server that cannot start, an exception mid-run, Ctrl-C, a
+SIGTERM. After each, no vLLM, Ray or trainer process of the run may be left. And a connection to
+a server that drops without an answer."""
 
+import asyncio
 import json
 import os
 import signal
@@ -86,7 +88,8 @@ def test_exception_mid_run_leaves_no_process(tiny_model, tmp_path):
     assert _wait_gone(tag) == set()
 
 
-def test_ctrl_c_leaves_no_process(tiny_model, tmp_path):
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_kill_leaves_no_process(sig, code, tiny_model, tmp_path):
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(
         _train_cmd(tiny_model, tmp_path),
@@ -104,7 +107,61 @@ def test_ctrl_c_leaves_no_process(tiny_model, tmp_path):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(1)
     assert metrics.exists(), "training never started"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out[-3000:]
+    assert proc.returncode == code, out[-3000:]
     assert _wait_gone(tag) == set()
+
+
+# -- a connection dropped without an answer ------------------------------------------------------
+
+
+async def _dropping_server(drops: int) -> tuple[asyncio.Server, list[int]]:
+    """An HTTP server on loopback that closes its first ``drops`` connections after reading the
+    request, without answering (what a server closing an idle keep-alive connection looks like
+    to the client reusing it), then answers ``{"ok": true}``. Returns it and its connection
+    count."""
+    seen = [0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen[0] += 1
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )  # fmt: skip
+        await reader.readexactly(length)
+        if seen[0] > drops:
+            body = b'{"ok": true}'
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+            )
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0), seen
+
+
+@pytest.mark.parametrize(("drops", "answered"), [(1, True), (2, False)])
+def test_a_dropped_connection_is_retried_once(drops, answered):
+    from trident.rollout.engine import EngineError, VLLMClient
+
+    async def main() -> tuple[dict | str, int]:
+        server, seen = await _dropping_server(drops)
+        port = server.sockets[0].getsockname()[1]
+        client = VLLMClient(f"http://127.0.0.1:{port}", timeout_s=10)
+        try:
+            return await client._post("/v1/completions", {"prompt": [1, 2]}), seen[0]
+        except EngineError as e:
+            return str(e), seen[0]
+        finally:
+            await client.aclose()
+            server.close()
+
+    got, connections = asyncio.run(main())
+    if answered:  # the drop is invisible: one retry on a new connection
+        assert (got, connections) == ({"ok": True}, 2)
+    else:  # a server that keeps dropping is an error that names it, after one retry only
+        assert connections == 2
+        assert "/v1/completions" in got and "RemoteProtocolError" in got

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -195,16 +196,27 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler ending the job): unwinds like Ctrl-C, so servers, trainer
+    and Ray are stopped on the way out (Python's default would exit without any cleanup)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # per-file loading bars are noise
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        print("terminated" if terminated else "interrupted", file=sys.stderr)
+        return 143 if terminated else 130
     except Exception as e:
         if isinstance(e, _expected_errors()):
             print(f"error: {e}", file=sys.stderr)
