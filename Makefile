@@ -17,7 +17,7 @@ agent-demo: setup
 test: setup
 	$(BIN)/ruff check trident tests benchmarks
 	$(BIN)/ruff format --check trident tests benchmarks
-	$(PYTEST) -m "not slow" --timeout=900 tests
+	$(PYTEST) -m "not slow" --timeout=900 --durations=15 tests
 
 test-slow: setup
 	$(PYTEST) -m "slow" --timeout=3600 tests

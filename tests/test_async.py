@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import DEMO
 from trident.config import load_config
 from trident.models.factory import init_model
 from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, prompt_messages
@@ -150,18 +150,6 @@ def test_separate_async_runs_end_to_end(tiny_model: str, tmp_path: Path) -> None
     trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
     spans = {e["name"] for e in trace if e["ph"] == "X"}
     assert {"generate", "reward", "train", "weight sync", "queue wait"} <= spans
-
-
-DEMO = REPO / "configs" / "demo.yaml"  # the README's tiny task: warm-up, then 30 GRPO steps
-
-
-@pytest.fixture(scope="module")
-def demo_sft_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    from trident.train.sft import run_sft
-
-    run_dir = tmp_path_factory.mktemp("demo-sft")
-    overrides = [f"model.path={tiny_model}", f"run.dir={run_dir}", "run.name=sft"]
-    return str(run_sft(load_config([DEMO], [*overrides, "telemetry.progress=false"])))
 
 
 def _final_accuracy(mode: str, eta: int, model: str, run_dir: Path, *extra: str) -> float:

@@ -32,10 +32,10 @@ def _hf_greedy_accuracy(model_path: str, rows: list[dict]) -> float:
     return correct / len(rows)
 
 
-def test_sft_lowers_loss_and_raises_accuracy(tiny_model, sft_model, tmp_path):
+def test_sft_lowers_loss_and_raises_accuracy(tiny_model, demo_sft_model, tmp_path):
     log = [
         json.loads(line)
-        for line in (Path(sft_model).parent / "sft_metrics.jsonl").read_text().splitlines()
+        for line in (Path(demo_sft_model).parent / "sft_metrics.jsonl").read_text().splitlines()
     ]
     first = sum(r["loss"] for r in log[:20]) / 20
     last = sum(r["loss"] for r in log[-20:]) / 20
@@ -43,7 +43,7 @@ def test_sft_lowers_loss_and_raises_accuracy(tiny_model, sft_model, tmp_path):
 
     r = run_cli(
         "eval",
-        f"model.path={sft_model}",
+        f"model.path={demo_sft_model}",
         "eval.max_prompts=100",
         f"run.dir={tmp_path}",
         "run.name=ev",
