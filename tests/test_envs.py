@@ -15,7 +15,9 @@ import sys
 
 import pytest
 
+from tests.conftest import REPO
 from trident.agent.parsers import AssistantTurn, ToolCall
+from trident.config import load_config
 from trident.data.loaders import load_rows
 from trident.data.tasks import split_of
 from trident.envs import REGISTRY, env_rows, get_spec, make_env
@@ -58,8 +60,9 @@ def _turn(message: dict) -> AssistantTurn:
     return AssistantTurn(text=message["content"], content=message["content"], tool_calls=calls)
 
 
-async def _replay(env, row: dict) -> float:
-    """Act out the row's demonstration in ``env``; tool outputs must match it. Returns the reward."""
+async def _replay(env, row: dict, errors: bool = False) -> float:
+    """Act out the row's demonstration in ``env``; tool outputs must match it (failed calls only
+    with ``errors``). Returns the reward."""
     await env.reset(row)
     assert env.tools.schemas() == row["tools"]  # what SFT renders is what the model will see
     messages, reward, i = row["messages"], 0.0, 1
@@ -68,7 +71,8 @@ async def _replay(env, row: dict) -> float:
         results = await env.tools.run(turn.tool_calls)
         expected = messages[i + 1 : i + 1 + len(results)]
         assert [r.content for r in results] == [m["content"] for m in expected]
-        assert not any(r.error for r in results)
+        assert [r.error for r in results] == [errors and m["content"].startswith("Error:")
+                                              for m in expected]  # fmt: skip
         step = await env.step(turn, results)
         reward += step.reward or 0.0
         i += 1 + len(results)
@@ -108,6 +112,16 @@ def test_calc_lookup_data_options_make_it_easier_or_more_varied():
     assert 0 < sum(rewards) < len(rows)
     with pytest.raises(ValueError, match="operations"):
         env_rows("calc_lookup", 1, operations=["divide"])
+    # a broken strategy mixed in: the calculator on the key names, refused, then giving up
+    rows = env_rows("calc_lookup", 40, "train", seed=2, shortcut_fraction=0.5)
+    broken = [r for r in rows if r["messages"][-1]["content"] == "I cannot tell."]
+    assert 0 < len(broken) < len(rows)
+    for row in broken:
+        (call,) = row["messages"][1]["tool_calls"]
+        assert call["function"]["name"] == "calc" and row["messages"][2]["content"].startswith(
+            "Error:"
+        )
+        assert asyncio.run(_replay(CalcLookupEnv(), row, errors=True)) == 0.0
 
 
 def test_calc_lookup_rewards_only_a_final_correct_answer():
@@ -124,6 +138,17 @@ def test_calc_lookup_rewards_only_a_final_correct_answer():
     assert asyncio.run(reward_of("I do not know")) == (0.0, True)
     call = ToolCall("c", "calc", {"expression": "1+1"})
     assert asyncio.run(reward_of(f"Answer: {row['answer']}", [call])) == (None, False)
+
+    async def penalized() -> list[float | None]:
+        env = CalcLookupEnv(tool_error_penalty=0.25)
+        await env.reset(row)
+        calls = [ToolCall("a", "lookup", {"key": "??"}), ToolCall("b", "calc", {"expression": "2*3"}),
+                 ToolCall("c", "nope", {}), ToolCall("d", "lookup", {}, error="not valid JSON")]  # fmt: skip
+        failing = await env.step(AssistantTurn("", "", calls), await env.tools.run(calls))
+        fine = await env.step(AssistantTurn("", "", calls[1:2]), await env.tools.run(calls[1:2]))
+        return [failing.reward, fine.reward]
+
+    assert asyncio.run(penalized()) == [-0.75, None]  # three of the four calls failed
 
 
 def test_task_env_scores_with_the_task_verifier():
@@ -197,6 +222,15 @@ def test_sft_rows_from_the_cli(tiny_model, tmp_path, capsys):
     assert args.func(args) == 0
     assert load_rows(lean) == env_rows("calc_lookup", 2, show_tools=False, distractors=0)
     assert all("tools" not in r and len(r["corpus"]) == 2 for r in load_rows(lean))
+    # a recipe's env.data_kwargs and env.show_tools; --options still override
+    recipe = REPO / "configs" / "agent_demo.yaml"
+    env = load_config([recipe]).env
+    args = parser.parse_args(["env", "data", "calc_lookup", str(lean), "--n", "3", "-c",
+                              str(recipe), "--options", options])  # fmt: skip
+    assert args.func(args) == 0
+    expected = env_rows("calc_lookup", 3, show_tools=env.show_tools,
+                        **(env.data_kwargs | {"distractors": 0}))  # fmt: skip
+    assert load_rows(lean) == expected and not env.show_tools
     # `trident sft` trains on every assistant turn of a row's demonstration.
     tokenizer = load_tokenizer(tiny_model)
     ids, mask = encode_example(tokenizer, rows[0])

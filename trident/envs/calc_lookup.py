@@ -4,7 +4,9 @@ Each row carries a small corpus of random values (``{"K7": "41", "M2": "27", ...
 ``What is K7 times M2?``. The values exist only in the corpus, so the model must ``lookup`` both
 keys (in parallel or one per turn), then ``calc`` the result (a tiny model cannot multiply two
 two-digit numbers reliably) and finish with ``Answer: <value>``. Reward: 1.0 for the right
-answer in the turn that ends the episode (a turn without tool calls), else 0.0.
+answer in the turn that ends the episode (a turn without tool calls), else 0.0, minus
+``tool_error_penalty`` (a constructor option, 0 by default) for every tool call that failed
+(malformed, unknown tool, bad arguments, a key not in the corpus).
 
 ``make_rows`` writes rows with the prompt fields the env reads, the tool schemas (``tools``) and
 a ``messages`` demonstration (a correct tool-using conversation, tool outputs produced by the
@@ -13,9 +15,13 @@ Deliberate simplification: a row's corpus is tiny (four entries, two of them dis
 
 ``make_rows`` takes options (``trident train`` passes ``env.data_kwargs``) that make the task
 easier or the demonstrations more varied: ``distractors``, the value range ``low``..``high``,
-``operations``, ``parallel_fraction`` (demonstrations that look both keys up in one turn) and
+``operations``, ``parallel_fraction`` (demonstrations that look both keys up in one turn),
 ``answer_formats`` (final-answer templates, one picked per row; only ``Answer: {answer}`` earns
-reward, so a warm-up on several styles leaves RL something to learn, as in ``configs/demo.yaml``).
+reward, so a warm-up on several styles leaves RL something to learn, as in ``configs/demo.yaml``)
+and ``shortcut_fraction``: demonstrations of a broken strategy, as a weaker agent's transcripts
+have, that hand the key names to the calculator (``calc("F3+G6")``), read its refusal and give
+up (``I cannot tell.``, reward 0). A warm-up on both strategies makes failed tool calls and
+lost rewards that RL can remove (``configs/agent_demo.yaml``).
 """
 
 from __future__ import annotations
@@ -56,8 +62,9 @@ def lookup_tool(corpus: dict[str, str]) -> Tool:
 class CalcLookupEnv:
     """Look two values up in the row's corpus, combine them with the calculator."""
 
-    def __init__(self, tools: Sequence[Tool] = ()) -> None:
+    def __init__(self, tools: Sequence[Tool] = (), tool_error_penalty: float = 0.0) -> None:
         self.extra_tools = list(tools)  # replace built-ins by name (e.g. an MCP lookup)
+        self.tool_error_penalty = tool_error_penalty
         self.tools = ToolSet()
         self.answer = ""
 
@@ -68,7 +75,9 @@ class CalcLookupEnv:
 
     async def step(self, turn: AssistantTurn, results: list[ToolResult]) -> StepResult:
         if turn.tool_calls:
-            return StepResult()
+            failed = sum(r.error for r in results)
+            penalty = self.tool_error_penalty * failed
+            return StepResult(reward=-penalty if penalty else None)
         got = extract_answer(turn.content)
         return StepResult(reward=float(got is not None and got.strip() == self.answer), done=True)
 
@@ -97,6 +106,7 @@ class CalcLookupTask:
         operations: Sequence[str] = tuple(OPERATIONS),
         parallel_fraction: float = 0.5,
         answer_formats: Sequence[str] = ("Answer: {answer}",),
+        shortcut_fraction: float = 0.0,
     ) -> None:
         unknown = set(operations) - set(OPERATIONS)
         if unknown or not operations:
@@ -106,6 +116,7 @@ class CalcLookupTask:
         self.distractors, self.low, self.high = distractors, low, high
         self.operations, self.parallel_fraction = list(operations), parallel_fraction
         self.answer_formats = list(answer_formats)
+        self.shortcut_fraction = shortcut_fraction
 
     def make_row(self, rng: random.Random, index: int) -> dict[str, Any]:
         keys = rng.sample(KEYS, 2 + self.distractors)
@@ -120,8 +131,29 @@ class CalcLookupTask:
         final = self.answer_formats[0]
         if len(self.answer_formats) > 1:
             final = rng.choice(self.answer_formats)
-        row["messages"] = self.demonstration(row, a, b, expression, parallel, final)
+        if self.shortcut_fraction and rng.random() < self.shortcut_fraction:
+            row["messages"] = self.shortcut(row, f"{a}{OPERATIONS[word]}{b}")
+        else:
+            row["messages"] = self.demonstration(row, a, b, expression, parallel, final)
         return row
+
+    def shortcut(self, row: dict[str, Any], expression: str) -> list[Message]:
+        """The broken strategy: the calculator on the key names, its refusal, giving up. The
+        error text is what ``ToolSet`` reports for the live tool."""
+        try:
+            calc(expression)
+        except ValueError as e:
+            error = f"Error: calc raised ValueError: {e}"
+        return [
+            *prompt_messages(row["prompt"]),
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [_call("calc", {"expression": expression})],
+            },
+            _tool_message("calc", error),
+            {"role": "assistant", "content": "I cannot tell."},
+        ]
 
     def demonstration(
         self,

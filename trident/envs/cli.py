@@ -30,8 +30,14 @@ def cmd_data(args: argparse.Namespace) -> int:
     from trident.data.loaders import write_jsonl
     from trident.envs import env_rows
 
-    options = json.loads(args.options) if args.options else {}
-    rows = env_rows(args.name, args.n, args.split, args.seed, not args.no_tools, **options)
+    options, tools = {}, not args.no_tools
+    if args.config:  # the recipe's env.data_kwargs and env.show_tools
+        from trident.config import load_config
+
+        env = load_config([args.config]).env
+        options, tools = dict(env.data_kwargs), tools and env.show_tools
+    options |= json.loads(args.options) if args.options else {}
+    rows = env_rows(args.name, args.n, args.split, args.seed, tools, **options)
     path = write_jsonl(rows, args.out)
     print(f"wrote {args.n} {args.split} rows of {args.name} to {path}")
     return 0
@@ -60,6 +66,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="",
         metavar="JSON",
         help="options of the data generator (the config's env.data_kwargs), e.g. '{\"parallel_fraction\": 1.0}'",
+    )
+    p.add_argument(
+        "-c",
+        "--config",
+        default="",
+        metavar="FILE",
+        help="a recipe whose env.data_kwargs (under --options) and env.show_tools to use",
     )
     p.add_argument(
         "--no-tools",

@@ -244,13 +244,13 @@ class SignalFilter:
         return True
 
     def metrics(self) -> dict[str, float]:
-        """Counts since the previous call."""
+        """Counts since the previous call (the kept fraction only if a group was judged)."""
         kept, dropped = self.kept, self.dropped
         self.kept = self.dropped = 0
-        return {
-            "dynamic_sampling/dropped_groups": float(dropped),
-            "dynamic_sampling/kept_fraction": kept / max(kept + dropped, 1),
-        }
+        out = {"dynamic_sampling/dropped_groups": float(dropped)}
+        if kept + dropped:
+            out["dynamic_sampling/kept_fraction"] = kept / (kept + dropped)
+        return out
 
 
 @dataclass
@@ -325,10 +325,15 @@ def step_metrics(batch: StepBatch, env: bool) -> dict[str, float]:
     metrics["trained_samples"] = float(len(batch.train))
     if env:
         metrics |= agent_metrics(batch.generated)
-    penalties = [
-        s.metrics["overlong_penalty"] for s in batch.generated if "overlong_penalty" in s.metrics
-    ]
-    if penalties:
-        metrics["overlong/penalty_mean"] = sum(penalties) / len(penalties)
-        metrics["overlong/penalized_fraction"] = sum(p < 0 for p in penalties) / len(penalties)
-    return metrics
+    return metrics | overlong_metrics(batch.generated)
+
+
+def overlong_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Mean overlong penalty and the fraction of samples it touched (``algo.overlong_penalty``)."""
+    penalties = [s.metrics["overlong_penalty"] for s in samples if "overlong_penalty" in s.metrics]
+    if not penalties:
+        return {}
+    return {
+        "overlong/penalty_mean": sum(penalties) / len(penalties),
+        "overlong/penalized_fraction": sum(p < 0 for p in penalties) / len(penalties),
+    }

@@ -65,6 +65,7 @@ from trident.pipeline.rollout import (
     GroupRollout,
     SignalFilter,
     no_tokens,
+    overlong_metrics,
     rollout_metrics,
     sampling_params,
     split_rows,
@@ -477,6 +478,7 @@ class AsyncRun:
         metrics = rollout_metrics(samples) | metrics
         metrics["infra_errors"] = self.window["infra_errors"]
         metrics["untrainable_samples"] = float(self.window["untrainable_samples"])
+        metrics |= overlong_metrics(samples)
         if cfg.env.name:
             metrics |= agent_metrics(samples)
         if cfg.algo.dynamic_sampling:
