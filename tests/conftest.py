@@ -71,6 +71,18 @@ def teacher_model(demo_sft_model, tmp_path_factory) -> str:
     )
 
 
+def mask_spans(mask: list[int]) -> list[tuple[int, int]]:
+    """The [start, end) runs of 1s in a loss mask: one per trained model turn."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
 def run_cli(
     *args: str, timeout: float = 600, cwd: str | Path | None = None
 ) -> subprocess.CompletedProcess:

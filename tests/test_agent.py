@@ -24,6 +24,7 @@ from typing import Literal
 
 import pytest
 
+from tests.conftest import mask_spans
 from trident.agent.loop import (
     AgentConfig,
     ObservationRenderer,
@@ -491,17 +492,6 @@ def _run(engine, tokenizer, env, row=ROW, config=None, params=GREEDY) -> Sample:
     return asyncio.run(trajectory)
 
 
-def _spans(mask: list[int]) -> list[tuple[int, int]]:
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
-
-
 def test_multi_turn_trajectory_is_exactly_the_engines_tokens(server_url, tokenizer, tmp_path):
     engine = ScriptedClient(server_url, tokenizer, calc_lookup_agent)
     config = AgentConfig(drift_dump_dir=str(tmp_path))
@@ -511,7 +501,7 @@ def test_multi_turn_trajectory_is_exactly_the_engines_tokens(server_url, tokeniz
     assert sample.metrics["tool_parse_error_rate"] == 0.0
 
     # Model tokens: exactly the engine's completions, in order, with its logprobs and our version.
-    spans = _spans(sample.loss_mask)
+    spans = mask_spans(sample.loss_mask)
     assert len(spans) == len(engine.calls) == 3
     for (start, end), (prompt_ids, completion) in zip(spans, engine.calls, strict=True):
         assert sample.token_ids[:start] == prompt_ids  # each request saw the trajectory so far
@@ -570,7 +560,7 @@ def test_malformed_tool_call_becomes_an_error_turn(server_url, tokenizer):
     assert sample.metrics["tool_parse_errors"] == 1 and sample.metrics["tool_parse_error_rate"] == 1
     error = sample.metadata["messages"][2]
     assert error["role"] == "tool" and "could not parse the tool call" in error["content"]
-    (_, first_end), (second_start, _) = _spans(sample.loss_mask)
+    (_, first_end), (second_start, _) = mask_spans(sample.loss_mask)
     observation = tokenizer.decode(sample.token_ids[first_end:second_start])
     assert error["content"] in observation  # the error turn is in the trajectory, untrained
     assert agent_metrics([sample])["tool_parse_error_rate"] == 1.0

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, mask_spans
 from trident.config import load_config
 from trident.data.loaders import write_jsonl
 from trident.envs import env_rows
@@ -124,17 +124,6 @@ def test_train_on_an_environment_end_to_end(env_run):
         assert saved["samples"][0]["greedy_messages"][0]["role"] == "assistant"
 
 
-def _spans(mask: list[int]) -> list[tuple[int, int]]:
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
-
-
 def test_env_groups_have_one_trained_span_per_model_turn(tool_caller, tmp_path):
     from trident.rollout.engine import VLLMClient
     from trident.rollout.vllm_server import VLLMServer
@@ -157,7 +146,7 @@ def test_env_groups_have_one_trained_span_per_model_turn(tool_caller, tmp_path):
     assert max(s.metrics["turns"] for s in samples) > 1
     for s in samples:
         assert tokenizer.decode(s.token_ids[: s.prompt_len]).startswith("<|im_start|>user\n")
-        spans = _spans(s.loss_mask)
+        spans = mask_spans(s.loss_mask)
         assert len(spans) == s.metrics["turns"], s.metadata["messages"]
         for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
             between = tokenizer.decode(s.token_ids[end:start])
