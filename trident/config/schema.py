@@ -90,7 +90,7 @@ class EnvConfig(Section):
     )
     data_kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="Options of the environment's data generator (`trident env data --options`), e.g. an easier configuration.",
+        description="Options of the environment's data generator (`trident env data --options`, or `-c RECIPE` to take them from a config), e.g. an easier configuration.",
     )
     max_turns: int = Field(8, ge=1, description="Assistant turns per trajectory.")
     max_turn_tokens: int = Field(
