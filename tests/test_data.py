@@ -1,9 +1,16 @@
+import asyncio
 import json
 
 import pytest
 
 from trident.data.loaders import DataError, PromptCursor, load_rows, load_split, write_jsonl
 from trident.data.tasks import TASKS, Arithmetic, Countdown, generate_split, safe_eval_expression
+from trident.rewards import task_reward
+
+
+def _score(name, response, row):
+    """What RL scores: the task reward (a task's verify, or the reward it names: code's sandbox)."""
+    return asyncio.run(task_reward(response, **{**row, "task": name}))
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -16,10 +23,10 @@ def test_tasks_are_deterministic_disjoint_and_verifiable(name):
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     checked = train[:3] + test[:3] if name == "code" else train[:50] + test  # code runs a sandbox
     for row in checked:
-        assert task.verify(task.solution(row), row) == 1.0
-        assert task.verify("no answer here", row) == 0.0
+        assert _score(name, task.solution(row), row) == 1.0
+        assert _score(name, "no answer here", row) == 0.0
         if name != "code":
-            assert task.verify(task.solution(row).replace("Answer:", "Result:"), row) == 0.0
+            assert _score(name, task.solution(row).replace("Answer:", "Result:"), row) == 0.0
 
 
 def test_arithmetic_rejects_wrong_value():
@@ -98,7 +105,7 @@ def test_unreadable_sources_fail_clearly(tmp_path, make):
         "missing": tmp_path / "nope.jsonl",
         "corrupt_parquet": tmp_path / "x.parquet",
         "not_a_dataset": tmp_path / "dir",
-        "unknown_suffix": tmp_path / "x.csv",
+        "unknown_suffix": tmp_path / "x.txt",
         "empty": tmp_path / "e.jsonl",
     }[make]
     if make == "corrupt_parquet":
@@ -138,3 +145,89 @@ def test_load_split_uses_task_or_path(tmp_path):
     path = write_jsonl([{"prompt": "p", "answer": "a"}], tmp_path / "t.jsonl")
     cfg = load_config([], [f"data.test_path={path}"])
     assert load_split(cfg.data, "test") == [{"prompt": "p", "answer": "a"}]
+
+
+GSM8K = [
+    {"question": "Tom has 3 bags of 4 apples. How many apples?", "answer": "3 * 4 = 12\n#### 12"},
+    {"question": "A car costs 1,000 dollars ...", "answer": "It is 1,000.\n#### 1,000"},
+]
+MATH = [
+    {
+        "problem": "What is $\\frac{1}{2}+\\frac{1}{4}$?",
+        "solution": "So $\\boxed{\\frac{3}{4}}$.",
+        "level": "Level 2",
+    },
+    {"problem": "Find $x$ if $x^2=4$, $x>0$.", "solution": "$x = \\boxed{2}$", "level": "Level 1"},
+]
+
+
+def test_gsm8k_and_math_rows_load_with_their_reference_answers(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    gsm8k = load_rows(write_jsonl(GSM8K, tmp_path / "gsm8k.jsonl"))
+    assert [(r["prompt"], r["answer"]) for r in gsm8k] == [
+        (GSM8K[0]["question"], "12"),
+        (GSM8K[1]["question"], "1,000"),
+    ]
+    assert gsm8k[0]["solution"] == GSM8K[0]["answer"]  # the worked solution is kept
+    pq.write_table(pa.Table.from_pylist(MATH), tmp_path / "math.parquet")
+    math = load_rows(tmp_path / "math.parquet")
+    assert [(r["prompt"], r["answer"]) for r in math] == [
+        (MATH[0]["problem"], "\\frac{3}{4}"),
+        (MATH[1]["problem"], "2"),
+    ]
+    assert math[1]["level"] == "Level 1"  # other columns reach the reward functions
+
+
+def test_rows_score_with_the_math_reward(tmp_path):
+    from trident.rewards import RewardModel, resolve
+
+    rows = load_rows(write_jsonl(GSM8K, tmp_path / "gsm8k.jsonl"))
+    model = RewardModel([(resolve("math"), 1.0)], timeout_s=10.0)
+    assert asyncio.run(model.score("... so 1000 dollars.", rows[1])) == (1.0, "ok")
+    assert asyncio.run(model.score("\\boxed{13}", rows[0])) == (0.0, "ok")
+
+
+def test_csv_chat_prompts_and_key_mappings(tmp_path):
+    csv_path = tmp_path / "d.csv"
+    csv_path.write_text('q,gold,extra\n"What is 2+2,\nexactly?",0042,x\n3+4,7,y\n')
+    rows = load_rows(csv_path, "q", "gold")
+    assert rows == [
+        {"prompt": "What is 2+2,\nexactly?", "answer": "0042", "extra": "x"},  # text stays text
+        {"prompt": "3+4", "answer": "7", "extra": "y"},
+    ]
+    chat = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1"}], "ref": "2"}]  # fmt: skip
+    assert load_rows(write_jsonl(chat, tmp_path / "chat.jsonl"), "messages", "ref") == [
+        {"prompt": chat[0]["messages"], "answer": "2"}
+    ]
+    no_answer = write_jsonl([{"prompt": "hi"}], tmp_path / "p.jsonl")
+    assert load_rows(no_answer, answer_key=None) == [{"prompt": "hi"}]
+
+
+def test_malformed_rows_name_their_file_and_line(tmp_path):
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text(json.dumps(GSM8K[0]) + "\n\n" + json.dumps({"question": ""}) + "\n")
+    with pytest.raises(DataError, match=rf"^{jsonl}:3: the prompt is empty"):
+        load_rows(jsonl)
+    csv_path = tmp_path / "bad.csv"
+    csv_path.write_text("prompt,answer\n1+1,2\n2+2,4,extra\n")
+    with pytest.raises(DataError, match=rf"^{csv_path}:3: 2 columns in the header"):
+        load_rows(csv_path)
+    with pytest.raises(DataError, match=rf"^{csv_path}:2: missing key 'gold'"):
+        load_rows(csv_path, answer_key="gold")
+
+
+def test_hub_dataset_loads_or_fails_in_one_line():
+    """A hub id loads with ``datasets.load_dataset`` when the hub is reachable; without network
+    (this CI machine) it fails at once with one line naming it."""
+    try:
+        rows = load_rows("openai/gsm8k:main", split="test")
+    except DataError as e:
+        message = str(e)
+        assert message.startswith("openai/gsm8k:main: not a local path, and the hub is unreachable")
+        assert "\n" not in message
+        return
+    assert (
+        len(rows) > 1000 and isinstance(rows[0]["answer"], str) and "####" not in rows[0]["answer"]
+    )

@@ -1,6 +1,7 @@
 """SFT lowers the loss, and the SFT checkpoint evaluates better than the random one through a
 real vLLM server (the `trident eval` command, end to end)."""
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -8,8 +9,8 @@ import torch
 
 from tests.conftest import run_cli
 from trident.config import load_config
-from trident.eval import heldout_rows, pass_at_k
 from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, prompt_messages
+from trident.pipeline.eval import heldout_rows, pass_at_k
 from trident.rewards import task_reward
 
 
@@ -27,7 +28,10 @@ def _hf_greedy_accuracy(model_path: str, rows: list[dict]) -> float:
         ids = torch.tensor([encode_chat(tok, prompt_messages(row["prompt"]))])
         out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
         correct += (
-            task_reward(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), **row) > 0.5
+            asyncio.run(
+                task_reward(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), **row)
+            )
+            > 0.5
         )
     return correct / len(rows)
 

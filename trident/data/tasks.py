@@ -8,17 +8,27 @@ disjoint by a hash of the prompt.
 - ``arithmetic``: ``a+b`` (or ``a-b``, ``a*b``) on numbers of ``digits`` digits.
 - ``countdown``: reach a target with given numbers, each used at most once, with + - * and
   parentheses (the search-style task of TinyZero); the verifier evaluates the expression safely.
-- ``code``: write a tiny program; the verifier runs it against unit tests in the sandbox.
+- ``code``: write a tiny program, scored by the ``code`` reward (unit tests in the sandbox).
+- ``reasoning_gym:NAME``: any reasoning-gym dataset (``trident.data.gym``), scored by its own
+  ``score_answer`` through the ``reasoning_gym`` reward.
+
+A task whose check needs infrastructure (a sandbox, a worker process) names the reward function
+that scores it (``reward``) instead of implementing ``verify``: this package never imports
+``trident.rewards``, and nothing here runs an event loop.
 """
 
 from __future__ import annotations
 
 import ast
+import difflib
 import random
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from trident.data.gym import GymTask
 
 ANSWER_RE = re.compile(r"Answer:\s*(.+?)\s*$")
 
@@ -32,22 +42,49 @@ def extract_answer(response: str) -> str | None:
     return m.group(1) if m else None
 
 
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox``) in ``text``, nested braces
+    balanced; None if there is none (or it is never closed)."""
+    end = len(text)
+    # A box left open stays open to the end; so an earlier box can only close before the next
+    # one starts: each character is scanned once (a flood of unclosed boxes is linear, not n^2).
+    for match in reversed(list(_BOXED.finditer(text))):
+        depth, start = 1, match.end()
+        for i in range(start, end):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i].strip()
+        end = match.start()
+    return None
+
+
 class Task(Protocol):
     name: str
+    reward: str  # "" = scored by ``verify``; else the registered reward function that scores it
 
     def make_row(self, rng: random.Random, index: int) -> dict[str, Any]:
         """One row: at least ``prompt`` (str) and ``answer``; called while generating a split."""
+        ...
 
     def solution(self, row: dict[str, Any]) -> str:
         """A correct response for ``row``: the SFT target."""
+        ...
 
     def verify(self, response: str, row: dict[str, Any]) -> float:
-        """1.0 for a correct, well-formatted response, else 0.0."""
+        """1.0 for a correct, well-formatted response, else 0.0 (tasks with ``reward == ""``)."""
+        ...
 
 
 @dataclass
 class Arithmetic:
     name: str = "arithmetic"
+    reward: str = ""
     digits: int = 2
     ops: str = "+"
 
@@ -91,6 +128,7 @@ def safe_eval_expression(expr: str) -> tuple[int, list[int]] | None:
 @dataclass
 class Countdown:
     name: str = "countdown"
+    reward: str = ""
     num_numbers: int = 3
     max_number: int = 9
 
@@ -105,7 +143,9 @@ class Countdown:
                 if op == "*" and ("+" in expr or "-" in expr)
                 else f"{expr}{op}{n}"
             )
-        target = safe_eval_expression(expr)[0]
+        evaluated = safe_eval_expression(expr)
+        assert evaluated is not None  # built from the allowed operators only
+        target = evaluated[0]
         return {
             "prompt": f"{' '.join(map(str, nums))} -> {target}",
             "answer": str(target),
@@ -133,10 +173,12 @@ class Countdown:
 @dataclass
 class Code:
     """Tiny programs: read an integer ``n`` from stdin and print ``a*n+b``. The response is a
-    Python program (fenced or raw); it is run in the sandbox against three stdin/stdout cases
-    and scores the fraction passed. A sandbox failure raises ``InfraError`` (never a zero)."""
+    Python program (fenced or raw), scored by the ``code`` reward: run in the sandbox against
+    the row's three stdin/stdout ``tests``, the fraction passed (a sandbox failure is
+    ``infra_error``, never a zero)."""
 
     name: str = "code"
+    reward: str = "code"
 
     def make_row(self, rng: random.Random, index: int) -> dict[str, Any]:
         a, b = rng.randint(2, 9), rng.randint(0, 999)
@@ -151,20 +193,42 @@ class Code:
         return f"```python\nn = int(input())\nprint({row['answer']})\n```"
 
     def verify(self, response: str, row: dict[str, Any]) -> float:
-        import asyncio
-
-        from trident.rewards.code import code_reward
-
-        # Called from a worker thread (rewards run off the event loop), so a private loop is fine.
-        return asyncio.run(code_reward(response, tests=row["tests"], mode="fraction")) or 0.0
+        raise TypeError(
+            "the code task is scored by its reward, `code` (programs run in the sandbox)"
+        )
 
 
 TASKS: dict[str, Task] = {"arithmetic": Arithmetic(), "countdown": Countdown(), "code": Code()}
 
 
-def get_task(name: str) -> Task:
-    if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; built-in tasks: {', '.join(sorted(TASKS))}")
+GYM_PREFIX = "reasoning_gym:"
+
+
+def task_problem(name: str) -> str | None:
+    """Why ``name`` is not a task (one line, with a did-you-mean), or None if it is one."""
+    if name in TASKS:
+        return None
+    if name.startswith(GYM_PREFIX):
+        from trident.data.gym import gym_problem
+
+        return gym_problem(name.removeprefix(GYM_PREFIX))
+    close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (
+        f"unknown task {name!r}; {hint}built-in tasks: {', '.join(sorted(TASKS))}, "
+        f"or {GYM_PREFIX}NAME (`trident data list`)"
+    )
+
+
+def get_task(name: str, **kwargs: Any) -> Task | GymTask:
+    """The task called ``name``; ``kwargs`` configure a reasoning-gym dataset (``data.task_kwargs``)."""
+    if name.startswith(GYM_PREFIX):
+        from trident.data.gym import GymTask
+
+        return GymTask(name.removeprefix(GYM_PREFIX), kwargs)
+    problem = task_problem(name)
+    if problem:
+        raise KeyError(problem)
     return TASKS[name]
 
 

@@ -2,26 +2,50 @@
 
 ``response`` is the decoded completion; ``row`` holds the dataset row's fields (``answer``,
 ``tests``, ``task``, ...). ``None`` means "not applicable" and contributes nothing to the sum.
-Functions are found by registered name or as ``module:function``; ``RewardModel`` combines the
-configured ones as a weighted sum, every call under a timeout. A timeout or a crash inside a reward
-function is the infrastructure's failure (``infra_error``), never a zero for the model.
+Functions are found by registered name or as a ``module:function`` entry point
+(``trident.registry.load_entry_point``); ``RewardModel`` combines the configured ones as a
+weighted sum, every call under a timeout. A timeout or a crash inside a reward function is the
+infrastructure's failure (``infra_error``), never a zero for the model.
+
+Registered: ``task`` (the row's task scores it: its ``verify``, or the reward the task names),
+``format``, and, imported on first use, ``math`` (``trident.rewards.math``), ``code``
+(``trident.rewards.code``, the sandbox) and ``reasoning_gym`` (``trident.rewards.gym``).
+
+Model-based rewards hold a model, so they are factories: ``reward_model`` (a sequence
+classifier in a Ray actor, ``trident.rewards.model``) and ``judge`` (a generative model behind
+an OpenAI-compatible server, ``trident.rewards.judge``) build their reward function from the
+entry's ``kwargs`` (``reward.fns=[{name: judge, kwargs: {url: ..., template: ...}}]``); for a
+plain function, ``kwargs`` are bound as keyword arguments. A function with a ``prompt``
+parameter receives the row's prompt; one with a ``timeout_s`` attribute runs under that timeout
+instead of ``reward.timeout_s`` (a model's first call includes loading it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from trident.data.tasks import extract_answer, get_task
+from trident.registry import load_entry_point
 from trident.sandbox import InfraError
 
 RewardFn = Callable[..., Any]
 REGISTRY: dict[str, RewardFn] = {}
+FACTORIES: dict[str, Callable[..., RewardFn]] = {}
+# Registered when their module is imported; kept out of ``import trident.rewards`` because they
+# pull in sympy, the sandbox or reasoning-gym.
+LAZY = {
+    "math": "trident.rewards.math",
+    "code": "trident.rewards.code",
+    "reasoning_gym": "trident.rewards.gym",
+    "reward_model": "trident.rewards.model",
+    "judge": "trident.rewards.judge",
+}
 
 
 class RewardInfraError(RuntimeError):
@@ -36,37 +60,57 @@ def register(name: str) -> Callable[[RewardFn], RewardFn]:
     return deco
 
 
-def resolve(name: str) -> RewardFn:
+def register_factory(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
+    """Register ``factory(**kwargs) -> reward function`` under ``name`` (model-based rewards)."""
+
+    def deco(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
+        FACTORIES[name] = factory
+        return factory
+
+    return deco
+
+
+def names() -> list[str]:
+    """Every reward name ``resolve`` accepts without an entry point."""
+    return sorted({*REGISTRY, *FACTORIES, *LAZY})
+
+
+def resolve(name: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
+    """The reward function registered as ``name`` (or the ``module:function`` entry point) with
+    ``kwargs`` bound, or the one the factory ``name`` builds from ``kwargs``."""
+    if name not in REGISTRY and name not in FACTORIES and name in LAZY:
+        importlib.import_module(LAZY[name])
+    if name in FACTORIES:
+        return FACTORIES[name](**(kwargs or {}))
     if name in REGISTRY:
-        return REGISTRY[name]
-    if ":" in name:
-        module, attr = name.split(":", 1)
-        return getattr(importlib.import_module(module), attr)
-    if name == "code":  # registered on import of its module (it pulls in the sandbox)
-        importlib.import_module("trident.rewards.code")
-        return REGISTRY[name]
-    raise KeyError(
-        f"unknown reward {name!r}; registered: {', '.join(sorted(REGISTRY))}, or use module:function"
-    )
+        fn = REGISTRY[name]
+    elif ":" in name:
+        fn = load_entry_point(name)
+    else:
+        raise KeyError(
+            f"unknown reward {name!r}; registered: {', '.join(names())}, or module:function"
+        )
+    return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+def _wants_prompt(fn: RewardFn) -> bool:
+    try:
+        return "prompt" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
 
 
 @register("task")
-def task_reward(response: str, task: str = "", **row: Any) -> float | None:
-    """The built-in task's own verifier (exact answer in the required format)."""
+async def task_reward(response: str, task: str = "", **row: Any) -> float | None:
+    """The row's task scores the response: the reward function it names (``Task.reward``, e.g.
+    the sandbox's ``code``), else its ``verify`` (in a thread: a user's task may be slow)."""
     if not task:
         return None
-    return get_task(task).verify(response, row)
-
-
-@register("math")
-def math_reward(response: str, answer: Any = None, **_: Any) -> float | None:
-    """Free-form math answers checked with ``math-verify`` (LaTeX, fractions, sets...)."""
-    if answer is None:
-        return None
-    from math_verify import parse, verify
-
-    candidate = extract_answer(response) or response
-    return float(verify(parse(str(answer)), parse(candidate)))
+    spec = get_task(task)
+    if getattr(spec, "reward", ""):
+        value = resolve(spec.reward)(response, task=task, **row)
+        return await value if inspect.isawaitable(value) else value
+    return await asyncio.to_thread(spec.verify, response, {"task": task, **row})
 
 
 @register("format")
@@ -75,16 +119,14 @@ def format_reward(response: str, **_: Any) -> float:
     return float(extract_answer(response) is not None)
 
 
-def regex_reward(pattern: str) -> RewardFn:
-    compiled = re.compile(pattern, re.DOTALL)
-    return lambda response, **_: float(bool(compiled.search(response)))
-
-
 async def call_reward(
     fn: RewardFn, response: str, row: dict[str, Any], timeout_s: float
 ) -> float | None:
-    """Run one reward function (async, or sync in a thread) under a timeout."""
-    kwargs = {k: v for k, v in row.items() if k not in ("prompt", "id")}
+    """Run one reward function (async, or sync in a thread) under a timeout (the function's
+    own ``timeout_s`` attribute if it has one)."""
+    hidden = ("id",) if _wants_prompt(fn) else ("prompt", "id")
+    kwargs = {k: v for k, v in row.items() if k not in hidden}
+    timeout_s = getattr(fn, "timeout_s", None) or timeout_s
     try:
         if inspect.iscoroutinefunction(fn):
             return await asyncio.wait_for(fn(response, **kwargs), timeout_s)
@@ -114,7 +156,9 @@ class RewardModel:
     def from_config(cls, reward_cfg: Any) -> RewardModel:
         if not reward_cfg.fns:
             return cls([(task_reward, 1.0)], reward_cfg.timeout_s)
-        return cls([(resolve(f.name), f.weight) for f in reward_cfg.fns], reward_cfg.timeout_s)
+        return cls(
+            [(resolve(f.name, f.kwargs), f.weight) for f in reward_cfg.fns], reward_cfg.timeout_s
+        )
 
     async def score(self, response: str, row: dict[str, Any]) -> tuple[float | None, str]:
         try:

@@ -35,7 +35,7 @@ import ast
 import asyncio
 import re
 import secrets
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any, Literal
 
 from trident.rewards import register
@@ -138,7 +138,7 @@ async def _run_case(
     return result.passed and _normalize(result.stdout) == _normalize(str(case["output"]))
 
 
-async def _score_cases(jobs: list[Awaitable[bool]], stop_at_first_failure: bool) -> int:
+async def _score_cases(jobs: Sequence[Awaitable[bool]], stop_at_first_failure: bool) -> int:
     """Number of passing cases; cancels the rest once the answer is known (or on an error)."""
     tasks = [asyncio.ensure_future(job) for job in jobs]
     passed = 0
