@@ -1,12 +1,34 @@
 """One ``MetricsLogger`` per run: every step's metrics go to ``metrics.jsonl`` (one JSON object
-per line, the source of truth), TensorBoard events, and W&B when a project is configured."""
+per line, the source of truth) and to the trackers the config names beside it: TensorBoard
+events, Weights & Biases (``telemetry.wandb_project``) and MLflow (``telemetry.mlflow_uri``).
+
+Every tracker gets the same record as the JSONL line, at the same step; TensorBoard and MLflow
+take numbers only, so they get its finite numeric values (W&B takes the record whole). W&B and
+MLflow are optional packages (``pip install 'trident[wandb]'`` / ``'trident[mlflow]'``),
+imported only when configured. The MLflow run is created through ``MlflowClient`` (no fluent
+global "active run"), in the experiment ``trident``, named after the run directory.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+MLFLOW_EXPERIMENT = "trident"
+
+
+class Sink(Protocol):
+    """A tracker beside ``metrics.jsonl``."""
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        """Called once per step with the record written to ``metrics.jsonl``."""
+
+    def close(self) -> None:
+        """Called once, when the run ends (also on failure)."""
 
 
 class MetricsLogger:
@@ -16,43 +38,110 @@ class MetricsLogger:
         tensorboard: bool = True,
         wandb_project: str = "",
         config: dict | None = None,
+        mlflow_uri: str = "",
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (self.run_dir / "metrics.jsonl").open("a", buffering=1)
-        self._tb = None
+        self.sinks: list[Sink] = []
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-        self._wandb = None
+            self.sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
         if wandb_project:
-            import wandb
-
-            self._wandb = wandb.init(
-                project=wandb_project, dir=str(self.run_dir), config=config or {}
-            )
+            self.sinks.append(WandbSink(wandb_project, self.run_dir, config or {}))
+        if mlflow_uri:
+            self.sinks.append(MlflowSink(mlflow_uri, self.run_dir.name, config or {}))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
-        for key, value in record.items():
-            if (
-                self._tb is not None
-                and key != "step"
-                and isinstance(value, int | float)
-                and math.isfinite(value)
-            ):
-                self._tb.add_scalar(key, value, step)
-        if self._wandb is not None:
-            self._wandb.log(record, step=step)
+        for sink in self.sinks:
+            sink.log(step, record)
 
     def close(self) -> None:
         self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        for sink in self.sinks:
+            sink.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir))
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        for key, value in numeric(record).items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A W&B run in ``project``; its files go under ``run_dir/wandb`` (``WANDB_MODE=offline``
+    keeps them there, for ``wandb sync`` later)."""
+
+    def __init__(self, project: str, run_dir: Path, config: dict) -> None:
+        import wandb
+
+        self.run = wandb.init(project=project, name=run_dir.name, dir=str(run_dir), config=config)
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        self.run.log(record, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowSink:
+    """An MLflow run at ``tracking_uri`` (a server URL, or ``file:/path`` for a local store);
+    the config goes in as flattened params."""
+
+    def __init__(self, tracking_uri: str, run_name: str, config: dict) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        experiment = self.client.get_experiment_by_name(MLFLOW_EXPERIMENT)
+        experiment_id = (
+            experiment.experiment_id
+            if experiment is not None
+            else self.client.create_experiment(MLFLOW_EXPERIMENT)
+        )
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in _flatten(config).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, step) for k, v in numeric(record).items()]
+        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def numeric(record: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of a record, without ``step``: what a scalar tracker can take."""
+    return {
+        k: v
+        for k, v in record.items()
+        if k != "step" and isinstance(v, int | float) and math.isfinite(v)
+    }
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out |= _flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _plain(value: Any) -> Any:
@@ -62,5 +151,13 @@ def _plain(value: Any) -> Any:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of ``metrics.jsonl``. A last line without its newline is a record still being
+    written (the run is going) and is left out; a malformed line elsewhere raises."""
+    text = (Path(run_dir) / "metrics.jsonl").read_text()
+    lines = text.split("\n")
+    partial = lines.pop()  # "" when the file ends with a newline
+    records = [json.loads(line) for line in lines if line.strip()]
+    if partial.strip():
+        with contextlib.suppress(json.JSONDecodeError):  # cut short: still being written
+            records.append(json.loads(partial))
+    return records

@@ -50,6 +50,7 @@ class Trace:
         self.spans: list[Span] = []
         self.counters: list[tuple[str, str, float, dict[str, float]]] = []
         self._busy_lanes: dict[str, set[int]] = {}
+        self.running: dict[object, tuple[str, str, float]] = {}  # open spans: name, process, start
 
     def now(self) -> float:
         """Seconds since the trace began."""
@@ -62,11 +63,21 @@ class Trace:
         lane = next(i for i in range(len(lanes) + 1) if i not in lanes)
         lanes.add(lane)
         start = self.now()
+        key = object()
+        self.running[key] = (name, process, start)
         try:
             yield
         finally:
+            del self.running[key]
             lanes.discard(lane)
             self.spans.append(Span(name, process, lane, start, self.now(), args))
+
+    def oldest_running(self) -> tuple[str, str, float] | None:
+        """The span that has been open longest: (name, process, seconds open), or None."""
+        if not self.running:
+            return None
+        name, process, start = min(self.running.values(), key=lambda v: v[2])
+        return name, process, self.now() - start
 
     def counter(self, name: str, process: str, **values: float) -> None:
         """A sampled value (buffer depth, ...), drawn by Perfetto as a counter track."""

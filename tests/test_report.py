@@ -1,0 +1,195 @@
+"""``trident report``, looked at the way a person does: a real short run's report opened in
+headless Chromium (Debian's ``chromium``, driven by playwright: nothing downloaded), every image
+decoded and not blank; and reports of run directories a person meets mid-way: a run still
+writing its last line, a crashed run (no eval_after, no trace), an async run with a timeline."""
+
+import html
+import io
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from trident.telemetry.report import PLOTS, write_report
+from trident.telemetry.trace import Trace
+
+STEPS = 3
+CHROMIUM = "/usr/bin/chromium"
+
+# What a sync-mode run of the tiny model has data for: staleness and idle fractions exist only
+# in the async modes, the token ledger only where a run keeps one.
+SYNC_RUN_PLOTS = {
+    "reward",
+    "eval",
+    "response_length",
+    "entropy_kl",
+    "mismatch",
+    "stage_times",
+    "sync",
+    "infra_errors",
+}
+
+
+@pytest.fixture(scope="module")
+def short_run(tiny_model, tmp_path_factory) -> Path:
+    """``trident train`` of the tiny model, as a user runs it: 3 steps of 2 prompts x 4."""
+    runs = tmp_path_factory.mktemp("report_runs")
+    r = run_cli(
+        "train",
+        f"model.path={tiny_model}",
+        f"run.dir={runs}",
+        "run.name=short",
+        f"pipeline.steps={STEPS}",
+        "pipeline.prompts_per_step=2",
+        "rollout.n=4",
+        "eval.max_prompts=8",
+        "eval.samples=2",
+        "eval.pass_k=2",
+        "trainer.cpu_threads=1",
+        "telemetry.progress=false",
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return runs / "short"
+
+
+def test_report_of_a_real_run(short_run, tmp_path):
+    r = run_cli("report", str(short_run), "--out", str(tmp_path / "report"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "index.html" in r.stdout
+    drawn = {p.stem for p in (tmp_path / "report").glob("*.png")}
+    assert drawn >= SYNC_RUN_PLOTS, drawn
+    if (short_run / "trace.json").exists():
+        assert "timeline" in drawn
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert f"finished: {STEPS} steps" in page
+    for plot in PLOTS:  # every plot is on the page: drawn, or skipped with its note
+        assert f'id="{plot.name}"' in page and html.escape(plot.question) in page
+    for name in {p.name for p in PLOTS} - drawn:
+        assert f"skipped {name}: " in r.stdout
+
+
+def test_report_renders_in_chromium(short_run, tmp_path):
+    """Every image decodes in the browser with a real size, and none is blank."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("no /usr/bin/chromium (scripts/setup installs the Debian package)")
+    from PIL import Image
+
+    report = write_report(short_run, tmp_path / "report")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(report.html.as_uri())
+        page.wait_for_load_state("load")
+        images = page.evaluate(
+            """Array.from(document.images).map(img => ({
+                section: img.closest('section').id, width: img.naturalWidth,
+                height: img.naturalHeight, shown: img.getBoundingClientRect().width}))"""
+        )
+        shot = page.screenshot(full_page=True)
+        browser.close()
+    assert sorted(i["section"] for i in images) == sorted(report.images)
+    for image in images:
+        assert image["width"] > 300 and image["height"] > 200 and image["shown"] > 0, image
+    for name, path in report.images.items():
+        colours = Image.open(path).convert("RGB").getcolors(maxcolors=1 << 20)
+        assert len(colours) > 1, name
+    screenshot = Image.open(io.BytesIO(shot))
+    assert screenshot.height > 1000 and len(screenshot.convert("RGB").getcolors(1 << 22)) > 10
+
+
+def _write_metrics(run_dir: Path, n: int, partial: bool = False, **extra: float) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [
+        json.dumps(
+            {
+                "step": k,
+                "reward_mean": 0.1 * k,
+                "accuracy": 0.05 * k,
+                "response_len_mean": 9.0 + k,
+                "response_len_max": 16,
+                "truncated_fraction": 0.25,
+                "infra_errors": k % 2,
+                "entropy": 2.0 - 0.1 * k,
+                "mismatch_abs_logp_diff_mean": 1e-7,
+                "time/rollout_s": 1.0,
+                "time/train_s": 2.0,
+                "sync/bytes": 3.6e6,
+                "sync/total_s": 0.05,
+                **extra,
+            }
+        )
+        for k in range(n)
+    ]
+    text = "\n".join(lines) + "\n"
+    if partial:
+        text += f'{{"step": {n}, "reward_mean": 0.'  # the run is writing this line now
+    (run_dir / "metrics.jsonl").write_text(text)
+    (run_dir / "config.yaml").write_text("pipeline:\n  mode: sync\n  steps: 10\n")
+
+
+def test_report_of_a_run_still_going(tmp_path):
+    run = tmp_path / "going"
+    _write_metrics(run, 4, partial=True)
+    (run / "eval_before.json").write_text(json.dumps({"accuracy": 0.4, "pass@4": 0.7}))
+    report = write_report(run)
+    page = report.html.read_text()
+    assert "incomplete: 4 of 10 steps logged" in page
+    assert "ends in a partial line" in page
+    assert {"reward", "eval", "response_length", "mismatch", "stage_times"} <= set(report.images)
+    assert report.skipped["timeline"].startswith("no trace.json")
+    assert "staleness" in report.skipped and "ledger" in report.skipped
+
+
+def test_report_of_a_crashed_run(tmp_path):
+    run = tmp_path / "crashed"
+    _write_metrics(run, 2)
+    (run / "trace.json").write_text('{"traceEvents": [{"ph": "X", "na')  # cut short by the crash
+    report = write_report(run)
+    assert "eval" in report.skipped and "timeline" in report.skipped
+    assert "reward" in report.images
+    page = report.html.read_text()
+    assert "skipped: no eval_before.json or eval_after.json" in page
+    assert "incomplete: 2 of 10 steps logged" in page
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")  # crashed before its first step
+    assert write_report(empty).images == {}
+    r = run_cli("report", str(tmp_path / "nothing"), timeout=120)
+    assert r.returncode == 2 and "no metrics.jsonl" in r.stderr
+
+
+def test_report_of_an_async_run(tmp_path):
+    """Staleness, idle fractions, ledger and the timeline from a real ``Trace``."""
+    run = tmp_path / "async"
+    _write_metrics(
+        run,
+        5,
+        **{
+            "staleness/mean": 0.4,
+            "staleness/max": 1.0,
+            "staleness/frac_0": 0.6,
+            "staleness/frac_1": 0.4,
+            "trainer_idle_fraction": 0.3,
+            "rollout_idle_fraction": 0.1,
+            "ledger/generated_tokens": 1000.0,
+            "ledger/trained_tokens": 900.0,
+            "generated/reward_mean": 0.3,
+        },
+    )
+    (run / "eval_after.json").write_text(json.dumps({"accuracy": 0.5}))
+    clock = [0.0]
+    trace = Trace(lambda: clock[0])
+    for _ in range(5):
+        server = "rollout http://127.0.0.1:8000"
+        with trace.span("generate", server), trace.span("generate", server):
+            clock[0] += 1.0  # two requests at once: two lanes
+        with trace.span("train", "trainer"):
+            clock[0] += 2.0
+    trace.write(run / "trace.json")
+    report = write_report(run)
+    assert {"staleness", "idle", "ledger", "timeline", "reward", "eval"} <= set(report.images)
+    assert "finished: 5 steps" in report.html.read_text()
