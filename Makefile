@@ -17,6 +17,8 @@ agent-demo: setup
 test: setup
 	$(BIN)/ruff check trident tests benchmarks
 	$(BIN)/ruff format --check trident tests benchmarks
+	$(BIN)/lint-imports
+	$(BIN)/basedpyright
 	$(PYTEST) -m "not slow" --timeout=900 --durations=15 tests
 
 test-slow: setup
@@ -24,6 +26,8 @@ test-slow: setup
 
 lint: setup
 	$(BIN)/ruff check trident tests benchmarks
+	$(BIN)/lint-imports
+	$(BIN)/basedpyright
 
 format: setup
 	$(BIN)/ruff format trident tests benchmarks

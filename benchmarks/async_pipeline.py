@@ -56,13 +56,9 @@ from typing import Any
 
 from trident.pipeline.buffer import GroupTicket, RolloutBuffer
 from trident.pipeline.colocate_async import run_colocate
-from trident.pipeline.separate_async import (
-    PartialRollout,
-    RolloutStats,
-    WeightGate,
-    pipeline_summary,
-    run_separate,
-)
+from trident.pipeline.gate import WeightGate
+from trident.pipeline.metrics import RolloutStats, pipeline_summary
+from trident.pipeline.separate_async import PartialRollout, Progress, run_separate
 from trident.rollout.engine import Completion, SamplingParams
 from trident.sample import Sample
 from trident.telemetry.trace import Trace
@@ -348,7 +344,13 @@ def sim_group_maker(
         prompts = [[ticket.index, i] + [0] * (PROMPT_LEN - 2) for i in range(n)]
         if gate is not None:
             partial = PartialRollout(fleet, gate, trace, stats)
-            outs = await asyncio.gather(*(partial.sample(p, params) for p in prompts))
+
+            async def one(prompt: list[int]) -> tuple[Completion, list[int], int]:
+                progress = Progress()
+                out = await partial.sample(prompt, params, progress)
+                return out, progress.versions, progress.resumes
+
+            outs = await asyncio.gather(*(one(p) for p in prompts))
         else:
             outs = await asyncio.gather(*(direct(p, ticket.version) for p in prompts))
         with trace.span("reward", "reward"):
@@ -421,7 +423,7 @@ async def simulate_async(sc: SimConfig) -> SimRun:
         make_group = sim_group_maker(
             fleet, None, trace, stats, sc.n, sc.lengths.max_tokens, sc.timing.reward_s
         )
-        await run_colocate(buffer, make_group, trainer, sc.steps, trace, on_step)
+        await run_colocate(buffer, WeightGate(fleet), make_group, trainer, sc.steps, trace, on_step)
     else:
         gate = WeightGate(fleet)
         make_group = sim_group_maker(
@@ -507,15 +509,15 @@ def real_run(mode: str, eta: int, args: argparse.Namespace, model: str, out: Pat
     """One training run of ``mode`` through the real stack, with the forced-length workload."""
     import ray
 
-    from trident.cluster.ray_cluster import RolloutFleet, init_ray
+    from trident.cluster.ray_cluster import init_ray
     from trident.config import load_config
     from trident.models.load import load_tokenizer
-    from trident.pipeline import colocate_async, separate_async
-    from trident.pipeline.run import SERVER_BACKENDS, weight_backend
-    from trident.pipeline.sync import train_sync
+    from trident.pipeline.run import run
+    from trident.rollout.fleet import RolloutFleet
     from trident.rollout.router import Router
     from trident.telemetry.metrics import MetricsLogger, read_metrics
     from trident.train.group import TrainerGroup
+    from trident.weights.backend import server_backend
 
     cfg = load_config(
         [DEMO],  # the README's tiny task and RL recipe
@@ -538,44 +540,24 @@ def real_run(mode: str, eta: int, args: argparse.Namespace, model: str, out: Pat
     )
     workload = LongTail(LengthModel(args.median, args.sigma, args.max_tokens), args.tail_fraction)
     client_cls = long_tail_client(workload, load_tokenizer(model))
-    driver = {
-        "sync": train_sync,
-        "colocate_async": colocate_async.train,
-        "separate_async": separate_async.train,
-    }[mode]
     run_dir = Path(cfg.derived.run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends
     log = MetricsLogger(run_dir, tensorboard=False)
     init_ray(cfg.cluster)
     try:
-        backend = SERVER_BACKENDS[weight_backend(cfg)]
-        with RolloutFleet(cfg, model, run_dir, weight_transfer=backend) as fleet:
-            fleet.router = Router([client_cls(c.url) for c in fleet.router.clients])
+        with RolloutFleet(cfg, model, run_dir, server_backend(cfg.sync)) as fleet:
+            router = Router([client_cls(c.url) for c in fleet.router.clients])
             with TrainerGroup(cfg) as trainer:
                 t0 = time.perf_counter()
-                results = asyncio.run(driver(cfg, fleet, trainer, log))
+                results = asyncio.run(run(cfg, router, trainer, log))
                 wall = time.perf_counter() - t0
     finally:
         log.close()
         ray.shutdown()
     metrics = read_metrics(run_dir)
-    samples = cfg.derived.samples_per_step * cfg.pipeline.steps
     row: dict[str, Any] = {"mode": mode, "eta": eta, "wall_s": wall}
-    if mode == "sync":  # the sync driver keeps no trace: idle fractions from its step times
-        busy = sum(m["time/train_s"] + m["time/sync_s"] for m in metrics)
-        gen = sum(m["time/rollout_s"] for m in metrics)
-        row |= {
-            "seconds_per_trained_sample": (busy + gen) / samples,
-            "trainer_idle_fraction": gen / (busy + gen),
-            "rollout_idle_fraction": busy / (busy + gen),
-            "staleness_fractions": {"0": 1.0},
-            "aborted_requests": 0,
-            "resumed_requests": 0,
-            "wasted_token_fraction": 0.0,
-        }
-    else:
-        summary = results["pipeline"]
-        row |= {k: summary[k] for k in REAL_KEYS}
+    summary = results["pipeline"]  # every mode keeps a trace now
+    row |= {k: summary[k] for k in REAL_KEYS}
     row["final_reward"] = sum(m["reward_mean"] for m in metrics[-3:]) / len(metrics[-3:])
     row["accuracy_before"] = results["before"]["accuracy"]
     row["final_accuracy"] = results["after"]["accuracy"]

@@ -76,7 +76,8 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16, help="prompts per HF generate call")
     args = ap.parse_args()
 
-    from trident.cluster.ray_cluster import RolloutFleet, init_ray
+    from trident.cluster.ray_cluster import init_ray
+    from trident.rollout.fleet import RolloutFleet
 
     work = Path(tempfile.mkdtemp(prefix="trident-bench-"))
     model = args.model or str(init_model(work / "tiny", "tiny"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,35 @@ def run_cli(
         timeout=timeout,
         cwd=cwd or REPO,
     )
+
+
+def tagged_processes(tag: str) -> set[int]:
+    """Processes whose environment carries ``TRIDENT_TEST_TAG=tag``: the run's own driver, Ray
+    processes, trainer actors and vLLM servers all inherit it; nothing else on the machine has it."""
+    needle = f"TRIDENT_TEST_TAG={tag}".encode()
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":  # zombies hold no resources; pid 1 reaps them in its own time
+                    pids.add(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def wait_gone(tag: str, timeout: float = 60) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not tagged_processes(tag):
+            return set()
+        time.sleep(1)
+    return tagged_processes(tag)
+
+
+def tagged_env(tag: str) -> dict[str, str]:
+    """The environment for a subprocess whose processes ``tagged_processes(tag)`` finds."""
+    return {**os.environ, "TRIDENT_TEST_TAG": tag}

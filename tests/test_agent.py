@@ -34,14 +34,14 @@ from trident.agent.loop import (
     rollout_env_group,
     run_trajectory,
 )
-from trident.agent.parsers import HermesParser, ToolCall, get_parser
-from trident.agent.tools import MCPClient, ToolError, ToolSet, function_schema, tool
 from trident.envs import make_env
 from trident.envs.calc_lookup import CalcLookupEnv
 from trident.models.load import encode_chat, load_tokenizer
 from trident.rollout.engine import Completion, SamplingParams, VLLMClient
 from trident.rollout.vllm_server import VLLMServer
 from trident.sample import Sample
+from trident.tools.parsers import HermesParser, ToolCall, get_parser
+from trident.tools.toolset import MCPClient, ToolError, ToolSet, function_schema, tool
 
 # -- parser ---------------------------------------------------------------------------------------
 
@@ -87,7 +87,7 @@ def test_parser_mixes_good_and_bad_calls_and_plain_text():
     plain = HermesParser().parse("Answer: 12")
     assert plain.tool_calls == [] and plain.content == "Answer: 12"
     assert isinstance(get_parser("qwen"), HermesParser)
-    assert isinstance(get_parser("trident.agent.parsers:HermesParser"), HermesParser)
+    assert isinstance(get_parser("trident.tools.parsers:HermesParser"), HermesParser)
     with pytest.raises(KeyError, match="unknown tool-call parser"):
         get_parser("nope")
 

@@ -76,7 +76,7 @@ def other_model(tmp_path_factory) -> str:
 @pytest.fixture
 def make_worker():
     """Build in-process one-rank workers; their process group is destroyed afterwards."""
-    from trident.rollout.vllm_server import free_port
+    from trident.cluster.net import free_port
     from trident.train.policy import PolicyWorker
 
     workers = []
@@ -278,7 +278,7 @@ RANKS_SCRIPT = textwrap.dedent(
     import json, sys
     import torch.multiprocessing as mp
     from trident.config import load_config
-    from trident.rollout.vllm_server import free_port
+    from trident.cluster.net import free_port
 
     def main(rank, world, port, overrides, samples_path, out):
         import pickle

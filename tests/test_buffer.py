@@ -19,7 +19,10 @@ import pytest
 
 from tests.conftest import REPO
 from trident.pipeline.buffer import GroupTicket, RolloutBuffer, StalenessError
-from trident.pipeline.separate_async import PartialRollout, RolloutStats, WeightGate, run_separate
+from trident.pipeline.gate import WeightGate
+from trident.pipeline.metrics import RolloutStats
+from trident.pipeline.separate_async import PartialRollout, Progress, run_separate
+from trident.pipeline.sync import run_sync
 from trident.rollout.engine import EngineError, SamplingParams
 from trident.sample import Sample
 from trident.telemetry.trace import Trace
@@ -283,8 +286,8 @@ def test_partial_rollout_neither_loses_nor_duplicates_tokens_or_samples() -> Non
 
 
 def test_eta_zero_is_the_sync_schedule() -> None:
-    """separate_async with η = 0 trains the same batches, hence the same losses, as a plain
-    generate-everything -> train -> sync loop over the same simulated engine."""
+    """separate_async with η = 0 trains the same batches, hence the same losses, as the sync
+    driver's schedule (``run_sync``) over the same simulated engine."""
     sc = SimConfig(
         eta=0,
         servers=2,
@@ -303,13 +306,12 @@ def test_eta_zero_is_the_sync_schedule() -> None:
         trace, stats = Trace(asyncio.get_running_loop().time), RolloutStats()
         gate = WeightGate(fleet)
         make_group = sim_group_maker(fleet, gate, trace, stats, sc.n, 300, 0.05)
-        index = 0
-        for step in range(sc.steps):
-            tickets = [GroupTicket(index + i, step, step) for i in range(sc.groups_per_step)]
-            index += sc.groups_per_step
-            groups = await asyncio.gather(*(make_group(t) for t in tickets))
-            await trainer.train_step([s for g in groups for s in g])
-            await gate.update(step + 1, lambda v=step + 1: trainer.sync_weights(v))
+        buffer = RolloutBuffer(sc.groups_per_step, 0, sc.groups_per_step * sc.steps)
+
+        async def on_step(step: int, samples: list[Sample], metrics: dict) -> None:
+            pass
+
+        await run_sync(buffer, gate, make_group, trainer, sc.steps, trace, on_step)
         return trainer
 
     reference = run_virtual(sync_loop())
@@ -351,13 +353,15 @@ def test_partial_rollout_tags_each_segment_with_its_version() -> None:
         trainer = SimTrainer(fleet, timing)
         gate = WeightGate(fleet)
         partial = PartialRollout(fleet, gate, Trace(), RolloutStats())
-        task = asyncio.create_task(partial.sample([0] * 8, SamplingParams(max_tokens=300)))
+        progress = Progress()
+        sample = partial.sample([0] * 8, SamplingParams(max_tokens=300), progress)
+        task = asyncio.create_task(sample)
         for version in (1, 2):
             await asyncio.sleep(1.0)  # 100 tokens at 10 ms each
             await gate.update(version, lambda v=version: trainer.sync_weights(v))
-        completion, versions, resumes = await task
-        assert completion.token_ids == versions
-        return versions, resumes
+        completion = await task
+        assert completion.token_ids == completion.versions == progress.versions
+        return progress.versions, progress.resumes
 
     versions, resumes = run_virtual(body())
     assert resumes == 2 and len(versions) == 300
@@ -384,7 +388,7 @@ def test_a_dropped_connection_resumes_from_what_came_back() -> None:
         fleet = SimFleet([server])
         stats = RolloutStats()
         partial = PartialRollout(fleet, WeightGate(fleet), Trace(), stats)
-        completion, _, _ = await partial.sample([0] * 8, SamplingParams(max_tokens=100))
+        completion = await partial.sample([0] * 8, SamplingParams(max_tokens=100), Progress())
         return len(completion.token_ids), stats
 
     length, stats = run_virtual(body(2))

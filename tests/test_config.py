@@ -47,7 +47,7 @@ def test_unknown_key_in_yaml_names_its_path(tmp_path):
     ("overrides", "message"),
     [
         (["pipeline.max_staleness=2"], "strictly on-policy"),
-        (["pipeline.mode=separate_async"], "max_staleness >= 1"),
+        (["pipeline.mode=colocate_async"], "max_staleness >= 1"),
         (["rollout.n=1"], "rollout.n >= 2"),
         (["algo.name=ppo", "algo.use_critic=false"], "needs a critic"),
         (["eval.pass_k=8", "eval.samples=4"], "exceeds eval.samples"),

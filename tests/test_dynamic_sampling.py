@@ -1,9 +1,8 @@
-"""DAPO's pipeline extras: dynamic sampling and overlong reward shaping, and the config that
-turns them on.
+"""DAPO's pipeline extras: dynamic sampling (``SignalFilter``, with the buffer replacing every
+dropped group by a fresh prompt's) and overlong reward shaping, and the config that turns them on.
 
-The selection and refill logic is tested on plain Samples: ``collect_groups`` takes the function
-that makes ``k`` groups, here one that hands out prepared groups in order (the real drivers pass
-the vLLM rollout). A short real run of both on the SFT-warmed tiny model checks the wiring.
+The refill logic is tested on plain Samples through the real buffer and ``fill_batch``, with a
+group maker that hands out prepared groups in order (the real drivers pass the vLLM rollout).
 """
 
 from __future__ import annotations
@@ -13,16 +12,10 @@ import asyncio
 import pytest
 
 from trident.config import ConfigError, load_config
-from trident.pipeline.rollout import (
-    SignalFilter,
-    StepBatch,
-    collect_groups,
-    has_signal,
-    select_groups,
-    shape_rewards,
-    step_metrics,
-    trainable,
-)
+from trident.pipeline.buffer import GroupTicket, RolloutBuffer
+from trident.pipeline.groups import SignalFilter, has_signal, shape_rewards, trainable
+from trident.pipeline.metrics import overlong_metrics
+from trident.pipeline.stages import fill_batch
 from trident.sample import Sample
 
 
@@ -58,14 +51,6 @@ def test_signal_means_two_scored_rewards_that_differ():
     assert has_signal(_group("f", 0.5, 0.5 + 1e-6))
 
 
-def test_select_keeps_the_first_groups_with_signal_in_order():
-    groups = [_group("a", 1, 1), _group("b", 0, 1), _group("c", 0, 0), _group("d", 1, 0)]
-    groups += [_group("e", 0, 1)]
-    kept, dropped = select_groups(groups, 2)
-    assert [g[0].group_id for g in kept] == ["b", "d"]
-    assert [g[0].group_id for g in dropped] == ["a", "c", "e"]
-
-
 def test_trainable_drops_infra_errors_and_samples_without_model_tokens():
     ok = _sample("g", 0, 1.0)
     empty = _sample("g", 1, 0.0, response=0, status="truncated")
@@ -75,64 +60,54 @@ def test_trainable_drops_infra_errors_and_samples_without_model_tokens():
 
 
 class Prepared:
-    """``make(k)`` for ``collect_groups``: the next ``k`` of a fixed list of groups."""
+    """A group maker for ``fill_batch``: the next of a fixed list of groups, filtered by a
+    ``SignalFilter`` as the run harness filters real groups."""
 
-    def __init__(self, groups: list[list[Sample]]) -> None:
-        self.groups, self.asked = list(groups), []
+    def __init__(self, groups: list[list[Sample]], limit: int) -> None:
+        self.groups, self.made = list(groups), []
+        self.signal = SignalFilter(limit)
 
-    async def __call__(self, k: int) -> list[list[Sample]]:
-        self.asked.append(k)
-        out, self.groups = self.groups[:k], self.groups[k:]
-        return out
-
-
-def _collect(groups, needed, **kw):
-    make = Prepared(groups)
-    return asyncio.run(collect_groups(make, needed, **kw)), make.asked
+    async def __call__(self, ticket: GroupTicket) -> list[Sample]:
+        group = self.groups.pop(0)
+        self.made.append(group[0].group_id)
+        kept = trainable(group)
+        return kept if kept and self.signal.keep(kept) else []
 
 
-def test_without_dynamic_sampling_one_round_trains_everything_trainable():
-    groups = [_group("a", 1, 1), _group("b", 0, 1)]
-    groups[0].append(_sample("a", 9, 0.0, response=0))  # no model-written token
-    batch, asked = _collect(groups, 2)
-    assert asked == [2]
-    assert [s.id for s in batch.train] == ["a-0", "a-1", "b-0", "b-1"]
-    assert len(batch.generated) == 5 and batch.metrics == {"untrainable_samples": 1.0}
+def _fill(groups: list[list[Sample]], needed: int, limit: int) -> tuple[list[str], Prepared]:
+    async def main() -> list[Sample]:
+        buffer = RolloutBuffer(needed, max_staleness=0)
+        make = Prepared(groups, limit)
+        await fill_batch(buffer, make, needed)
+        return await buffer.next_batch(), make
+
+    batch, make = asyncio.run(main())
+    return sorted({s.group_id for s in batch}), make
 
 
-def test_dynamic_sampling_refills_until_enough_groups_have_signal():
-    # round 1: 4 groups, 1 with signal (rate 1/4) -> round 2 asks ceil(3 / (1/4)) = 12, capped at 4
-    flat = [_group(f"r1-{i}", 1, 1) for i in range(3)] + [_group("r1-s", 0, 1)]
-    mixed = [_group("r2-a", 0, 0), _group("r2-s1", 1, 0), _group("r2-s2", 0, 1)]
-    mixed += [_group("r2-s3", 0.2, 0.1)]
-    batch, asked = _collect(flat + mixed + [_group("unused", 0, 1)], 4, dynamic=True, max_rounds=3)
-    assert asked == [4, 4]
-    assert sorted({s.group_id for s in batch.train}) == ["r1-s", "r2-s1", "r2-s2", "r2-s3"]
-    assert len(batch.generated) == 16  # rollout metrics see every generated sample
-    assert batch.metrics["dynamic_sampling/rounds"] == 2
-    assert batch.metrics["dynamic_sampling/dropped_groups"] == 4
-    assert batch.metrics["dynamic_sampling/kept_fraction"] == 0.5
+def test_groups_without_signal_are_replaced_by_fresh_prompts():
+    groups = [_group("a", 1, 1), _group("b", 0, 1), _group("c", 0, 0), _group("d", 1, 0)]
+    groups += [_group("e", 0, 1), _group("f", 0, 1)]
+    kept, make = _fill(groups, 3, limit=8)
+    assert kept == ["b", "d", "e"]
+    assert make.made == ["a", "b", "c", "d", "e"]  # two dropped, two replacements
+    assert make.signal.metrics() == {
+        "dynamic_sampling/dropped_groups": 2.0,
+        "dynamic_sampling/kept_fraction": 0.6,
+    }
 
 
-def test_dynamic_sampling_asks_for_the_missing_groups_over_the_kept_rate():
-    first = [_group("a", 0, 1), _group("b", 0, 1), _group("c", 1, 1), _group("d", 1, 1)]
-    batch, asked = _collect(first + [_group(f"x{i}", 0, 1) for i in range(9)], 8, dynamic=True)
-    # one round only (max_rounds=1): 6 of the 8 groups have signal, and that is the batch
-    assert asked == [8] and batch.metrics["dynamic_sampling/kept_groups"] == 6
-    batch, asked = _collect(first + [_group(f"x{i}", 0, 1) for i in range(9)], 3, max_rounds=3,
-                            dynamic=True)  # fmt: skip
-    assert asked == [3, 2]  # 2 of 3 kept (rate 2/3): ceil(1 / (2/3)) = 2
-    assert len({s.group_id for s in batch.train}) == 3
+def test_a_saturated_policy_cannot_stall_a_step():
+    # every group has equal rewards: after `limit` drops in a row the next ones are trained on
+    groups = [_group(f"g{i}", 1, 1) for i in range(6)]
+    kept, make = _fill(groups, 2, limit=3)
+    assert kept == ["g3", "g4"] and len(make.made) == 5
 
 
-def test_dynamic_sampling_gives_up_after_max_rounds():
-    groups = [_group(f"g{i}", 1, 1) for i in range(6)] + [_group("late", 0, 1)]
-    batch, asked = _collect(groups, 2, dynamic=True, max_rounds=3)
-    assert asked == [2, 2, 2]
-    # nothing had signal: the last round's groups are trained (zero advantages) so the step runs
-    assert {s.group_id for s in batch.train} == {"g4", "g5"}
-    assert batch.metrics["dynamic_sampling/kept_groups"] == 0
-    assert batch.metrics["dynamic_sampling/kept_fraction"] == 0.0
+def test_a_group_with_nothing_trainable_is_replaced_without_dynamic_sampling():
+    groups = [_group("a", 1, 1), [_sample("b", 0, None, status="infra_error")], _group("c", 0, 1)]
+    kept, make = _fill(groups, 2, limit=0)
+    assert kept == ["a", "c"] and make.made == ["a", "b", "c"]
 
 
 def test_signal_filter_drops_at_most_limit_groups_in_a_row():
@@ -158,7 +133,7 @@ def test_overlong_penalty_is_added_to_scored_rewards():
     samples.append(_sample("g", 9, None, response=10, status="infra_error"))
     shape_rewards(samples, algo, max_len=10)
     assert [s.reward for s in samples] == [1.0, 1.0, 0.75, 0.25, 0.0, None]
-    metrics = step_metrics(StepBatch(trainable(samples), samples), env=False)
+    metrics = overlong_metrics(samples)
     assert metrics["overlong/penalty_mean"] == pytest.approx(-2.0 / 5)
     assert metrics["overlong/penalized_fraction"] == pytest.approx(3 / 5)
     off = load_config([], []).algo
@@ -178,5 +153,5 @@ def test_dapo_extras_are_accepted_and_checked():
         load_config([], ["algo.overlong_penalty=true", "algo.overlong_buffer=40"])
     env = ["env.name=calc_lookup", "env.max_response_tokens=96"]
     assert load_config([], [*env, "algo.name=dapo"]).response_budget == 96
-    with pytest.raises(ConfigError, match="dynamic_sampling_rounds"):
-        load_config([], ["pipeline.dynamic_sampling_rounds=0"])
+    with pytest.raises(ConfigError, match="dynamic_sampling_max_dropped"):
+        load_config([], ["pipeline.dynamic_sampling_max_dropped=-1"])

@@ -25,10 +25,10 @@ from types import SimpleNamespace
 import pytest
 
 from trident.agent.loop import AgentConfig, run_trajectory
-from trident.agent.parsers import AssistantTurn, ToolCall
 from trident.models.load import load_tokenizer
 from trident.rollout.engine import Completion, SamplingParams
 from trident.sandbox import InfraError
+from trident.tools.parsers import AssistantTurn, ToolCall
 
 
 def _turn(content: str = "", calls: tuple[tuple[str, dict], ...] = ()) -> AssistantTurn:

@@ -25,7 +25,7 @@ from trident.config import load_config
 from trident.data.loaders import write_jsonl
 from trident.envs import env_rows
 from trident.models.load import load_tokenizer
-from trident.pipeline.rollout import GroupRollout, split_rows
+from trident.pipeline.groups import GroupRollout, split_rows
 from trident.pipeline.run import run_train
 from trident.telemetry.metrics import read_metrics
 
@@ -203,7 +203,7 @@ def test_agent_demo_recipe_raises_tool_success_and_reward(tiny_model, tmp_path):
 
 def test_env_config_is_checked_before_anything_starts():
     from trident.config import ConfigError
-    from trident.pipeline.rollout import agent_config
+    from trident.pipeline.groups import agent_config
 
     with pytest.raises(ConfigError, match=r"env.name='calc_lookp'.*did you mean 'calc_lookup'"):
         load_config([], ["env.name=calc_lookp"])

@@ -16,7 +16,6 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from trident.agent.parsers import AssistantTurn, ToolCall
 from trident.config import load_config
 from trident.data.loaders import load_rows
 from trident.data.tasks import split_of
@@ -25,6 +24,7 @@ from trident.envs.calc_lookup import CalcLookupEnv
 from trident.envs.cli import register
 from trident.envs.task import TaskEnv
 from trident.models.load import load_tokenizer
+from trident.tools.parsers import AssistantTurn, ToolCall
 from trident.train.sft import encode_example
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")

@@ -3,8 +3,10 @@ SIGTERM. After each, no vLLM, Ray or trainer process of the run may be left. And
 a server that drops without an answer."""
 
 import asyncio
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,35 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, tagged_env, tagged_processes, wait_gone
 from trident.rollout.vllm_server import ServerStartError, VLLMServer
-
-
-def _tagged_processes(tag: str) -> set[int]:
-    """Processes whose environment carries ``TRIDENT_TEST_TAG=tag``: the run's own driver, Ray
-    processes, trainer actors and vLLM servers all inherit it; nothing else on the machine has it."""
-    needle = f"TRIDENT_TEST_TAG={tag}".encode()
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":  # zombies hold no resources; pid 1 reaps them in its own time
-                    pids.add(int(entry.name))
-        except OSError:
-            continue
-    return pids
-
-
-def _wait_gone(tag: str, timeout: float = 60) -> set[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _tagged_processes(tag):
-            return set()
-        time.sleep(1)
-    return _tagged_processes(tag)
 
 
 def test_server_that_fails_to_start_reports_its_log(tmp_path):
@@ -67,17 +42,13 @@ def _train_cmd(model: str, run_dir: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _env(tag: str) -> dict[str, str]:
-    return {**os.environ, "TRIDENT_TEST_TAG": tag}
-
-
 def test_exception_mid_run_leaves_no_process(tiny_model, tmp_path):
     tag = uuid.uuid4().hex
     # An impossible tolerance makes the first weight-sync verification fail: an exception raised
     # after the servers and the trainer are up.
     r = subprocess.run(
         _train_cmd(tiny_model, tmp_path, "sync.tolerance=1e-30"),
-        env=_env(tag),
+        env=tagged_env(tag),
         capture_output=True,
         text=True,
         timeout=600,
@@ -85,7 +56,7 @@ def test_exception_mid_run_leaves_no_process(tiny_model, tmp_path):
     )
     assert r.returncode == 2, r.stderr[-3000:]
     assert "error: " in r.stderr and "probe" in r.stderr.strip().splitlines()[-1]
-    assert _wait_gone(tag) == set()
+    assert wait_gone(tag) == set()
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -93,7 +64,7 @@ def test_ctrl_c_or_kill_leaves_no_process(sig, code, tiny_model, tmp_path):
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(
         _train_cmd(tiny_model, tmp_path),
-        env=_env(tag),
+        env=tagged_env(tag),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -110,7 +81,7 @@ def test_ctrl_c_or_kill_leaves_no_process(sig, code, tiny_model, tmp_path):
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == code, out[-3000:]
-    assert _wait_gone(tag) == set()
+    assert wait_gone(tag) == set()
 
 
 # -- a connection dropped without an answer ------------------------------------------------------
@@ -165,3 +136,54 @@ def test_a_dropped_connection_is_retried_once(drops, answered):
     else:  # a server that keeps dropping is an error that names it, after one retry only
         assert connections == 2
         assert "/v1/completions" in got and "RemoteProtocolError" in got
+
+
+# -- a hang ---------------------------------------------------------------------------------------
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
+    """A rollout server that stops answering (SIGSTOP: its requests neither finish nor fail)
+    stalls the step; the watchdog dumps the stacks and stops the run with the stage that hung."""
+    tag = uuid.uuid4().hex
+    cmd = _train_cmd(tiny_model, tmp_path, "run.hang_timeout_s=20", "rollout.request_timeout_s=900")
+    proc = subprocess.Popen(
+        cmd, env=tagged_env(tag), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO,
+    )  # fmt: skip
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    server = None
+    try:
+        deadline = time.monotonic() + 400
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        (server,) = [p for p in tagged_processes(tag) if "vllm.entrypoints" in _cmdline(p)]
+        os.kill(server, signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if server is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    # the server stopped in the middle of a request: generation, or the next weight sync
+    assert "no step progress" in last, last
+    assert re.search(r"stage '(generate' on rollout http://|weight sync' on trainer)", last), last
+    (hang,) = (tmp_path / "r").glob("hang-*")
+    driver = (hang / "driver.txt").read_text()
+    assert "asyncio tasks" in driver and "trident/pipeline" in driver  # where the driver waits
+    assert (
+        "PolicyWorker" in (hang / "trainer_rank0.txt").read_text()
+        or "Thread" in (hang / "trainer_rank0.txt").read_text()
+    )
+    assert (hang / "vllm_server_0.txt").exists()
+    assert wait_gone(tag) == set()

@@ -83,6 +83,6 @@ def test_run_directory_layout(grpo_run):
     load_causal_lm(results["final_checkpoint"])  # HF format
     keys = set(metrics[0])
     for key in ("reward_mean", "reward_std", "accuracy", "response_len_mean", "entropy", "mismatch_k3_kl",
-                "clip_fraction", "grad_norm", "time/rollout_s", "time/train_s", "time/sync_s", "rollout_tokens_per_s"):  # fmt: skip
+                "clip_fraction", "grad_norm", "time/wait_s", "time/train_s", "time/sync_s", "rollout_tokens_per_s", "generated/reward_mean"):  # fmt: skip
         assert key in keys, key
     json.dumps(metrics)

@@ -109,11 +109,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     from rich.console import Console
 
-    from trident.eval import run_eval, summary_table
+    from trident.pipeline.eval import run_eval, summary_table
 
     result = run_eval(cfg, args.out)
     Console().print(summary_table({cfg.model.path: result}, cfg.eval.pass_k))
     print(f"results: {result['path']}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if args.resume:
+        args.overrides.append("run.resume=auto")
+    cfg = _resolve(args)
+    if cfg is None:
+        return 0
+    from rich.console import Console
+
+    from trident.pipeline.eval import summary_table
+    from trident.pipeline.run import run_train
+
+    results = run_train(cfg)
+    if "before" in results:
+        table = summary_table(
+            {"before RL": results["before"], "after RL": results["after"]}, cfg.eval.pass_k
+        )
+        Console().print(table)
+    run_dir = cfg.derived.run_dir
+    print(f"final checkpoint: {results['final_checkpoint']}")
+    print(
+        f"run directory: {run_dir} (metrics.jsonl, trace.json, tensorboard/, logs/, checkpoints/)"
+    )
+    print(f"report: trident report {run_dir}")
     return 0
 
 
@@ -161,6 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="JSON output path (default <run dir>/eval.json)")
     p.set_defaults(func=cmd_eval)
 
+    p = _job_parser(
+        sub,
+        "train",
+        "RL training (GRPO and friends) with vLLM rollout and FSDP2",
+        "Start Ray, vLLM servers and the FSDP2 trainer; run pipeline.steps steps of generate -> reward -> "
+        "train -> verified weight sync; evaluate before and after; write the run directory.",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run from the newest complete checkpoint of its run directory",
+    )
+    p.set_defaults(func=cmd_train)
+
     for register in _plugins():
         register(sub)
     return parser
@@ -169,7 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _plugins() -> list[Callable]:
     """Subcommands that live with their component."""
     registers = []
-    for module in ("trident.sandbox.cli", "trident.pipeline.cli", "trident.envs.cli"):
+    for module in (
+        "trident.sandbox.cli",
+        "trident.envs.cli",
+        "trident.data.cli",
+        "trident.telemetry.cli",
+    ):
         try:
             registers.append(__import__(module, fromlist=["register"]).register)
         except ModuleNotFoundError as e:
@@ -179,10 +224,14 @@ def _plugins() -> list[Callable]:
 
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
+    from trident.cluster.net import PortInUseError
     from trident.data.loaders import DataError
     from trident.models.load import ModelPathError
+    from trident.pipeline.harness import LedgerError
+    from trident.pipeline.watchdog import HangError
     from trident.rollout.engine import EngineError
     from trident.rollout.vllm_server import ServerStartError
+    from trident.train.group import TrainerStartError
     from trident.weights.sync import WeightSyncError
 
     return (
@@ -190,6 +239,10 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
         DataError,
         ModelPathError,
         ServerStartError,
+        PortInUseError,
+        TrainerStartError,
+        HangError,
+        LedgerError,
         EngineError,
         WeightSyncError,
         FileNotFoundError,

@@ -13,10 +13,6 @@ from typing import Any, Literal
 
 Status = Literal["ok", "truncated", "aborted", "tool_error", "timeout", "infra_error"]
 
-# Statuses caused by the infrastructure rather than by the model: never scored as the model's.
-INFRA_STATUSES: frozenset[str] = frozenset({"infra_error"})
-
-
 @dataclass
 class Sample:
     id: str

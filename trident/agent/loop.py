@@ -36,13 +36,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from trident.agent.parsers import AssistantTurn, get_parser
-from trident.agent.tools import ToolInfraError, ToolResult
 from trident.envs import Env, Message, make_env
 from trident.models.load import encode_chat
 from trident.rollout.engine import Completion, EngineError, RolloutEngine, SamplingParams
-from trident.sample import Sample
+from trident.sample import Sample, Status
 from trident.sandbox import InfraError
+from trident.tools.parsers import AssistantTurn, get_parser
+from trident.tools.toolset import ToolInfraError, ToolResult
 
 
 class TemplateError(ValueError):
@@ -78,7 +78,9 @@ class Trajectory:
         self.generated = 0
         self.last_turn_ids: list[int] = []
         self.counts: Counter[str] = Counter()
-        self.status, self.truncation, self.error = "ok", None, None
+        self.status: Status = "ok"
+        self.truncation: str | None = None
+        self.error: str | None = None  # the infrastructure failure behind an infra_error
 
     @property
     def turn_closed(self) -> bool:
@@ -93,7 +95,7 @@ class Trajectory:
         self.mask += [1] * len(ids)
         self.logprobs += completion.logprobs
         # an engine that resumes requests across weight updates knows each token's version
-        versions = getattr(completion, "versions", None)
+        versions = completion.versions
         self.versions += list(versions) if versions else [version] * len(ids)
         self.generated += len(ids)
         self.last_turn_ids = ids
@@ -113,7 +115,7 @@ class Trajectory:
         self.counts["tool_parse_errors"] += turn.parse_errors
         self.counts["tool_errors"] += sum(r.error for r in results)
 
-    def end(self, status: str, reason: str | None) -> None:
+    def end(self, status: Status, reason: str | None) -> None:
         self.status, self.truncation = status, reason
 
     def metrics(self) -> dict[str, float]:
@@ -348,15 +350,16 @@ async def rollout_env_group(
     *,
     config: AgentConfig | None = None,
     env_kwargs: dict[str, Any] | None = None,
+    group_id: str | None = None,
 ) -> list[Sample]:
     """``n`` trajectories of ``env_name`` on ``row``, concurrently, rewards set by the env.
 
-    The multi-turn counterpart of ``trident.pipeline.rollout.generate_group`` (same contract:
+    The multi-turn counterpart of ``trident.pipeline.groups.generate_group`` (same contract:
     Samples tagged with ``version``, rewards already set, so no separate scoring stage).
     ``params.n`` is ignored (each trajectory is its own request chain); ``params.max_tokens`` is
     the per-turn budget unless ``config.max_turn_tokens`` sets one.
     """
-    group_id = f"{row.get('id', 'row')}-{uuid.uuid4().hex[:8]}"
+    group_id = group_id or f"{row.get('id', 'row')}-{uuid.uuid4().hex[:8]}"
 
     async def one(k: int) -> Sample:
         env = make_env(env_name, **(env_kwargs or {}))

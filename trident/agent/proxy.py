@@ -33,10 +33,10 @@ from typing import Any
 from aiohttp import web
 
 from trident.agent.loop import Trajectory
-from trident.agent.parsers import AssistantTurn, get_parser
 from trident.envs import Message
 from trident.rollout.engine import EngineError, RolloutEngine, SamplingParams
 from trident.sample import Sample
+from trident.tools.parsers import AssistantTurn, get_parser
 
 
 def _normalized(message: dict[str, Any]) -> tuple:

@@ -245,6 +245,7 @@ def running_baseline_advantages(
         previous = per_prompt.get(p)
         per_prompt[p] = reward if previous is None else decay * previous + (1 - decay) * reward
     if reward_list:
+        assert fallback is not None  # set from this batch above when it was unset
         batch_mean = sum(reward_list) / len(reward_list)
         baseline_state["global"] = decay * fallback + (1 - decay) * batch_mean
     baseline = torch.tensor(baselines, dtype=r.dtype, device=r.device)

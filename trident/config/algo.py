@@ -76,100 +76,101 @@ class AlgoConfig(BaseModel):
         "reinforce_pp",
         "reinforce_pp_baseline",
         "opd",
-    ] = Field("grpo", description="Preset that sets the defaults of the fields below.")
-    advantage: AdvantageEstimator = Field("grpo", description="Advantage estimator.")
-    policy_loss: PolicyLoss = Field("ppo_clip", description="Policy loss.")
+    ] = Field(default="grpo", description="Preset that sets the defaults of the fields below.")
+    advantage: AdvantageEstimator = Field(default="grpo", description="Advantage estimator.")
+    policy_loss: PolicyLoss = Field(default="ppo_clip", description="Policy loss.")
     aggregation: Aggregation = Field(
-        "token_mean", description="How per-token losses become one number."
+        default="token_mean", description="How per-token losses become one number."
     )
     clip_eps_low: float = Field(
-        0.2, ge=0, description="PPO ratio clip below: ratio >= 1 - eps_low."
+        default=0.2, ge=0, description="PPO ratio clip below: ratio >= 1 - eps_low."
     )
     clip_eps_high: float = Field(
-        0.2,
+        default=0.2,
         ge=0,
         description="PPO ratio clip above: ratio <= 1 + eps_high (clip-higher when > eps_low).",
     )
     dual_clip_c: float = Field(
-        3.0, gt=1, description="Dual-clip bound c for negative advantages (policy_loss=dual_clip)."
+        default=3.0,
+        gt=1,
+        description="Dual-clip bound c for negative advantages (policy_loss=dual_clip).",
     )
     kl_coef: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         description="Coefficient of the KL penalty to the reference model (0 = no reference model).",
     )
     kl_estimator: KLEstimator = Field(
-        "k3",
+        default="k3",
         description="KL estimator, with d = log pi_ref - log pi: k1 = -d, k2 = d^2/2, k3 = e^d - 1 - d.",
     )
     kl_target: float | None = Field(
-        None,
+        default=None,
         gt=0,
         description="Target KL for the adaptive coefficient (Ziegler et al.), per sample (summed over its "
         "tokens); kl_coef is the initial value; None = fixed kl_coef.",
     )
     kl_horizon: int = Field(
-        10000, ge=1, description="Horizon of the adaptive KL controller, in samples."
+        default=10000, ge=1, description="Horizon of the adaptive KL controller, in samples."
     )
     kl_in_reward: bool = Field(
-        False, description="Subtract the KL from the reward instead of adding it to the loss."
+        default=False,
+        description="Subtract the KL from the reward instead of adding it to the loss.",
     )
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus coefficient.")
     is_level: ISLevel = Field(
-        "token", description="Importance-sampling correction of engine/trainer mismatch."
+        default="token", description="Importance-sampling correction of engine/trainer mismatch."
     )
     is_mode: ISMode = Field(
-        "truncate",
+        default="truncate",
         description="truncate = TIS (clip weights at is_cap), mask = MIS (drop tokens outside bounds).",
     )
-    is_cap: float = Field(2.0, gt=0, description="Upper bound of the importance weight.")
+    is_cap: float = Field(default=2.0, gt=0, description="Upper bound of the importance weight.")
     is_lower: float | None = Field(
-        None,
+        default=None,
         ge=0,
         description="Lower bound of the importance weight (two-sided MIS / IcePop); None = none.",
     )
-    prox_logp: Literal["recompute", "loglinear"] = Field(
-        "recompute",
-        description="Decoupled PPO's proximal log-probs: a trainer forward pass, or AReaL's "
-        "log-linear interpolation between behaviour and current log-probs by version.",
-    )
     norm_std: bool = Field(
-        True, description="Divide group-relative advantages by the group std (GRPO)."
+        default=True, description="Divide group-relative advantages by the group std (GRPO)."
     )
     use_critic: bool = Field(
-        False, description="Train a value head alongside the policy (PPO/GAE)."
+        default=False, description="Train a value head alongside the policy (PPO/GAE)."
     )
     value_clip: float | None = Field(
-        0.2,
+        default=0.2,
         gt=0,
         description="PPO value-loss clip: V may move at most this far from V_old per step; None = unclipped.",
     )
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount for GAE.")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    gamma: float = Field(default=1.0, ge=0, le=1, description="Discount for GAE.")
+    lam: float = Field(default=0.95, ge=0, le=1, description="GAE lambda.")
     baseline_decay: float = Field(
-        0.9,
+        default=0.9,
         ge=0,
         lt=1,
         description="EMA decay of the per-prompt reward baseline (advantage=running_baseline).",
     )
     dynamic_sampling: bool = Field(
-        False, description="Drop groups whose rewards are all equal and refill (DAPO)."
+        default=False, description="Drop groups whose rewards are all equal and refill (DAPO)."
     )
     overlong_penalty: bool = Field(
-        False, description="Linear penalty for responses in the last overlong_buffer tokens (DAPO)."
+        default=False,
+        description="Linear penalty for responses in the last overlong_buffer tokens (DAPO).",
     )
     overlong_buffer: int = Field(
-        8, ge=1, description="Length of the soft overlong window, in tokens."
+        default=8, ge=1, description="Length of the soft overlong window, in tokens."
     )
     mask_truncated: bool = Field(
-        False, description="Exclude truncated samples from the loss (DAPO)."
+        default=False, description="Exclude truncated samples from the loss (DAPO)."
     )
     distill_coef: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         description="Weight of per-token reverse KL to a teacher (on-policy distillation).",
     )
-    reward_coef: float = Field(1.0, ge=0, description="Weight of the reward advantage in the loss.")
+    reward_coef: float = Field(
+        default=1.0, ge=0, description="Weight of the reward advantage in the loss."
+    )
 
     @model_validator(mode="before")
     @classmethod

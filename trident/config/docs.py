@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from trident.config.schema import TridentConfig
@@ -15,13 +16,10 @@ from trident.config.schema import TridentConfig
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 
 
-def _default(field) -> str:
-    if field.default_factory is not None:
-        value = field.default_factory()
-    elif field.default is PydanticUndefined:
+def _default(field: FieldInfo) -> str:
+    value = field.get_default(call_default_factory=True)
+    if value is PydanticUndefined:
         return "required"
-    else:
-        value = field.default
     if isinstance(value, BaseModel):
         return ""
     return f"`{json.dumps(value) if not isinstance(value, str) else value or chr(34) * 2}`"
@@ -31,6 +29,7 @@ def render() -> str:
     lines = []
     for name, field in TridentConfig.model_fields.items():
         section = field.annotation
+        assert isinstance(section, type) and issubclass(section, BaseModel)
         lines += [f"#### `{name}`", "", (section.__doc__ or "").strip().splitlines()[0], ""]
         lines += ["| key | default | description |", "|---|---|---|"]
         for key, f in section.model_fields.items():

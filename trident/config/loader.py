@@ -8,6 +8,7 @@ fail with a did-you-mean before pydantic sees them, so the message names the exa
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -91,7 +92,7 @@ def _format_validation_error(err: ValidationError) -> str:
     return "invalid config: " + "; ".join(parts)
 
 
-def load_config(files: list[str | Path] = (), overrides: list[str] = ()) -> TridentConfig:
+def load_config(files: Sequence[str | Path] = (), overrides: Sequence[str] = ()) -> TridentConfig:
     data: dict[str, Any] = {}
     for f in files:
         path = Path(f)

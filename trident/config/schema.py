@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 
 from trident.config.algo import AlgoConfig
 
@@ -19,25 +26,48 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    """Run identity: name, directory, seed."""
+    """Run identity (name, directory, seed) and what to do with a run directory that exists."""
 
-    name: str = Field("trident", description="Run name; the run directory is `<dir>/<name>`.")
-    dir: str = Field("runs", description="Parent directory of run directories.")
-    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    name: str = Field(
+        default="trident", description="Run name; the run directory is `<dir>/<name>`."
+    )
+    dir: str = Field(default="runs", description="Parent directory of run directories.")
+    seed: int = Field(default=0, description="Seed for data order, sampling and initialisation.")
+    resume: str = Field(
+        default="never",
+        description="`auto`: continue from the newest complete checkpoint of the run directory "
+        "(`trident train --resume`); `never`: a run directory that already holds a run is refused; "
+        "or the path of a checkpoint directory to continue from.",
+    )
+    overwrite: bool = Field(
+        default=False,
+        description="Delete what an existing run directory holds and start over (with resume=never).",
+    )
+    hang_timeout_s: float = Field(
+        default=1800.0,
+        ge=0,
+        description="No step progress for this long: write every process's stacks to "
+        "`<run dir>/hang-<time>/` and stop with the stage that hung (0 = never).",
+    )
+    deterministic: bool = Field(
+        default=False,
+        description="Seeded sampling per sample, deterministic torch kernels and a fixed batch "
+        "order, so a run (and its resume) reproduces rewards and losses; slower.",
+    )
 
 
 class ModelConfig(Section):
     """The policy and the other models it trains with."""
 
     path: str = Field(
-        "", description="Local checkpoint directory or hub id of a causal LM (policy)."
+        default="", description="Local checkpoint directory or hub id of a causal LM (policy)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32",
+        default="float32",
         description="Parameter dtype for training and serving (float32 on CPU keeps logprobs exact).",
     )
     ref_path: str = Field(
-        "",
+        default="",
         description="Frozen reference model; empty = the initial policy (used when algo.kl_coef > 0).",
     )
     teacher_paths: dict[str, str] = Field(
@@ -45,7 +75,7 @@ class ModelConfig(Section):
         description="Teachers for on-policy distillation, by task name (`default` for all).",
     )
     critic_path: str = Field(
-        "",
+        default="",
         description="Checkpoint the critic's backbone starts from (algo.use_critic); empty = model.path.",
     )
 
@@ -54,34 +84,69 @@ class DataConfig(Section):
     """Prompt data: a built-in task or files."""
 
     task: str = Field(
-        "arithmetic",
-        description="Built-in task (`arithmetic`, `countdown`, `code`); empty to use the paths only.",
+        default="arithmetic",
+        description="Built-in task (`arithmetic`, `countdown`, `code`) or `reasoning_gym:NAME` (`trident data list`); empty to use the paths only.",
+    )
+    task_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Config of a `reasoning_gym:NAME` task (the fields of its dataset config, e.g. `{min_terms: 2, max_terms: 3}`).",
     )
     train_path: str = Field(
-        "",
-        description="Training prompts (JSONL, Parquet or a `datasets` directory); overrides the task's split.",
+        default="",
+        description="Training prompts (JSONL, Parquet, CSV, a `datasets` directory or a hub dataset `hf:NAME[:CONFIG][@SPLIT]`); overrides the task's split.",
     )
     test_path: str = Field(
-        "", description="Held-out prompts for eval; overrides the task's test split."
+        default="", description="Held-out prompts for eval; overrides the task's test split."
     )
     prompt_key: str = Field(
-        "prompt", description="Column with the prompt (a string or a list of chat messages)."
+        default="prompt",
+        description="Column with the prompt (a string or a list of chat messages).",
     )
     answer_key: str = Field(
-        "answer", description="Column with the reference answer passed to reward functions."
+        default="answer",
+        description="Column with the reference answer passed to reward functions (GSM8K's `#### N` is cut to N; MATH's `solution` \\boxed{} is used when there is no `answer`); empty = none.",
     )
-    shuffle: bool = Field(True, description="Reshuffle prompts every epoch (seeded by run.seed).")
+    shuffle: bool = Field(
+        default=True, description="Reshuffle prompts every epoch (seeded by run.seed)."
+    )
     num_train: int = Field(
-        4000, ge=1, description="Size of a built-in task's generated train split."
+        default=4000, ge=1, description="Size of a built-in task's generated train split."
     )
-    num_test: int = Field(200, ge=1, description="Size of a built-in task's generated test split.")
+    num_test: int = Field(
+        default=200, ge=1, description="Size of a built-in task's generated test split."
+    )
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, task: str) -> str:
+        from trident.data.tasks import task_problem
+
+        problem = task_problem(task) if task else None
+        if problem:
+            raise ValueError(problem)
+        return task
+
+    @model_validator(mode="after")
+    def _task_kwargs_fit(self) -> DataConfig:
+        from trident.data.tasks import GYM_PREFIX
+
+        if not self.task_kwargs:
+            return self
+        if not self.task.startswith(GYM_PREFIX):
+            raise ValueError(
+                f"data.task_kwargs configure a {GYM_PREFIX}NAME task, not {self.task!r}"
+            )
+        from trident.data.gym import make_dataset
+
+        make_dataset(self.task.removeprefix(GYM_PREFIX), self.task_kwargs)  # a bad field fails now
+        return self
 
 
 class EnvConfig(Section):
     """Agentic RL: multi-turn rollouts of an environment (`trident env list`) through the agent loop."""
 
     name: str = Field(
-        "",
+        default="",
         description="Environment (registered name or `module:Class`); empty = single-turn prompts scored by `reward`. "
         "Its data generator supplies the prompts unless data.train_path / data.test_path are set.",
     )
@@ -92,67 +157,71 @@ class EnvConfig(Section):
         default_factory=dict,
         description="Options of the environment's data generator (`trident env data --options`, or `-c RECIPE` to take them from a config), e.g. an easier configuration.",
     )
-    max_turns: int = Field(8, ge=1, description="Assistant turns per trajectory.")
+    max_turns: int = Field(default=8, ge=1, description="Assistant turns per trajectory.")
     max_turn_tokens: int = Field(
-        0,
+        default=0,
         ge=0,
         description="Tokens per assistant turn; 0 = rollout.max_tokens (eval.max_tokens in eval).",
     )
     max_response_tokens: int = Field(
-        256, ge=1, description="Model-written tokens over a whole trajectory."
+        default=256, ge=1, description="Model-written tokens over a whole trajectory."
     )
     max_total_tokens: int = Field(
-        0,
+        default=0,
         ge=0,
         description="Prompt + turns + tool results per trajectory; 0 = rollout.max_model_len.",
     )
     max_consecutive_tool_errors: int = Field(
-        3,
+        default=3,
         ge=1,
         description="Turns in a row whose tool calls all failed before the trajectory ends.",
     )
     parser: str = Field(
-        "hermes", description="Tool-call parser (`hermes`/`qwen`, or `module:Class`)."
+        default="hermes", description="Tool-call parser (`hermes`/`qwen`, or `module:Class`)."
     )
     show_tools: bool = Field(
-        True,
+        default=True,
         description="Render the tool schemas in the prompt; false saves their tokens for a model fine-tuned on the tools "
         "(SFT data: `trident env data --no-tools`).",
     )
     timeout_s: float = Field(
-        60.0, gt=0, description="Timeout of each env.reset / env.step call (an infra_error)."
+        default=60.0,
+        gt=0,
+        description="Timeout of each env.reset / env.step call (an infra_error).",
     )
 
 
 class RolloutConfig(Section):
     """vLLM rollout servers and sampling."""
 
-    num_servers: int = Field(1, ge=1, description="vLLM servers (each one Ray actor).")
-    n: int = Field(8, ge=1, description="Samples per prompt (the group size).")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
-    max_tokens: int = Field(16, ge=1, description="Max new tokens per response.")
+    num_servers: int = Field(default=1, ge=1, description="vLLM servers (each one Ray actor).")
+    n: int = Field(default=8, ge=1, description="Samples per prompt (the group size).")
+    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling.")
+    max_tokens: int = Field(default=16, ge=1, description="Max new tokens per response.")
     stop: list[str] = Field(
         default_factory=list, description="Extra stop strings (the tokenizer's EOS always stops)."
     )
     base_port: int = Field(
-        0,
+        default=0,
         ge=0,
         le=65535,
         description="Port of server 0 (server i uses base_port + i); 0 = any free port.",
     )
-    max_model_len: int = Field(512, ge=16, description="Context length the servers allocate for.")
+    max_model_len: int = Field(
+        default=512, ge=16, description="Context length the servers allocate for."
+    )
     kv_cache_gib: float = Field(
-        1.0, gt=0, description="KV cache size per CPU server (VLLM_CPU_KVCACHE_SPACE)."
+        default=1.0, gt=0, description="KV cache size per CPU server (VLLM_CPU_KVCACHE_SPACE)."
     )
     gpu_memory_utilization: float = Field(
-        0.5, gt=0, le=1, description="Fraction of GPU memory per GPU server."
+        default=0.5, gt=0, le=1, description="Fraction of GPU memory per GPU server."
     )
     startup_timeout_s: float = Field(
-        300, gt=0, description="Seconds to wait for a server to become healthy."
+        default=300, gt=0, description="Seconds to wait for a server to become healthy."
     )
     request_timeout_s: float = Field(
-        300, gt=0, description="Seconds before a generation request is abandoned."
+        default=300, gt=0, description="Seconds before a generation request is abandoned."
     )
     extra_server_args: list[str] = Field(
         default_factory=list, description="Extra command-line arguments for the vLLM server."
@@ -163,31 +232,31 @@ class TrainerConfig(Section):
     """The FSDP2 trainer and its optimizer."""
 
     num_ranks: int = Field(
-        1, ge=1, description="FSDP2 ranks (Ray actors); gloo on CPU, NCCL on GPU."
+        default=1, ge=1, description="FSDP2 ranks (Ray actors); gloo on CPU, NCCL on GPU."
     )
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    lr: float = Field(default=1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warm-up steps.")
     lr_schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="Learning-rate schedule after warm-up."
+        default="constant", description="Learning-rate schedule after warm-up."
     )
     micro_batch_tokens: int = Field(
-        8192, ge=16, description="Token budget of one micro-batch (padding included)."
+        default=8192, ge=16, description="Token budget of one micro-batch (padding included)."
     )
     mini_batches: int = Field(
-        1,
+        default=1,
         ge=1,
         description="Optimizer steps per training step (the batch is split into this many).",
     )
     cpu_threads: int = Field(
-        0,
+        default=0,
         ge=0,
         description="Torch CPU threads per rank, for SFT too (0 = torch's default; 1 avoids oversubscription on small machines).",
     )
     critic_lr: float = Field(
-        1e-4, gt=0, description="Learning rate of the critic (algo.use_critic)."
+        default=1e-4, gt=0, description="Learning rate of the critic (algo.use_critic)."
     )
 
 
@@ -195,29 +264,34 @@ class PipelineConfig(Section):
     """The controller: mode, steps, batch, staleness bound."""
 
     mode: Literal["sync", "colocate_async", "separate_async"] = Field(
-        "sync", description="How rollout and training overlap."
+        default="sync", description="How rollout and training overlap."
     )
     steps: int = Field(
-        20, ge=1, description="Training steps (one optimizer update round + one weight sync each)."
+        default=20,
+        ge=1,
+        description="Training steps (one optimizer update round + one weight sync each).",
     )
     prompts_per_step: int = Field(
-        16, ge=1, description="Prompts per step; samples per step = prompts_per_step * rollout.n."
+        default=16,
+        ge=1,
+        description="Prompts per step; samples per step = prompts_per_step * rollout.n.",
     )
     max_staleness: int = Field(
-        0,
+        default=0,
         ge=0,
         description="η: max policy versions between the token's sampler and the trained policy.",
     )
     max_running_groups: int = Field(
-        0,
+        default=0,
         ge=0,
         description="separate_async: groups generating at once (AReaL's max_concurrent_rollouts); 0 = prompts_per_step.",
     )
-    dynamic_sampling_rounds: int = Field(
-        3,
-        ge=1,
-        description="algo.dynamic_sampling: generation rounds per step at most (sync); async modes replace at most "
-        "(rounds - 1) * prompts_per_step all-equal groups in a row.",
+    dynamic_sampling_max_dropped: int = Field(
+        default=0,
+        ge=0,
+        description="algo.dynamic_sampling: groups without signal dropped (and replaced by fresh prompts) in a row "
+        "at most; past that they are trained on until a group with signal comes back, so a saturated policy "
+        "cannot stall the run. 0 = 2 * prompts_per_step.",
     )
 
 
@@ -225,7 +299,27 @@ class RewardFn(Section):
     name: str = Field(
         description="Registered reward function (`trident.rewards`) or `module:function`."
     )
-    weight: float = Field(1.0, description="Weight in the sum of rewards.")
+    weight: float = Field(default=1.0, description="Weight in the sum of rewards.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options: the model of `reward_model` (`{path: DIR}`), the server and template of `judge` "
+        "(`{url: URL, template: TEXT}`), else keyword arguments bound to the function.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known_reward(cls, name: str) -> str:
+        import difflib
+
+        from trident.rewards import names
+
+        if ":" in name or name in names():
+            return name
+        close = difflib.get_close_matches(name, names(), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(
+            f"unknown reward {name!r}; {hint}registered: {', '.join(names())}, or module:function"
+        )
 
 
 class RewardConfig(Section):
@@ -235,12 +329,12 @@ class RewardConfig(Section):
         default_factory=list, description="Reward functions; empty = the task's own verifier."
     )
     timeout_s: float = Field(
-        10.0,
+        default=10.0,
         gt=0,
         description="Timeout of one reward call; a timeout is an infra_error, not a zero.",
     )
     exclude_infra_errors: bool = Field(
-        True, description="Drop infra_error samples from the loss instead of scoring them."
+        default=True, description="Drop infra_error samples from the loss instead of scoring them."
     )
 
 
@@ -248,45 +342,50 @@ class SyncConfig(Section):
     """Weight sync from trainer to servers, and its verification."""
 
     backend: Literal["auto", "shm", "nccl", "ipc"] = Field(
-        "auto",
+        default="auto",
         description="Weight transport: shm (trident's CPU shared memory) or vLLM's nccl/ipc on GPU; auto picks.",
     )
     verify: bool = Field(
-        True, description="After each sync, compare the engine's probe logprobs with the trainer's."
+        default=True,
+        description="After each sync, compare the engine's probe logprobs with the trainer's.",
     )
     probe_tokens: int = Field(
-        32, ge=4, description="Length of the probe sequence for verification."
+        default=32, ge=4, description="Length of the probe sequence for verification."
     )
     tolerance: float = Field(
-        2e-3,
+        default=2e-3,
         gt=0,
         description="Max |Δlogp| on the probe after a sync (float32; raise for bf16, e.g. 0.05).",
     )
 
 
 class CheckpointConfig(Section):
-    """HF-format checkpoints of the policy."""
+    """Checkpoints: the full training state (resumable) with an HF export beside it."""
 
     every: int = Field(
-        0, ge=0, description="Save an HF-format checkpoint every N steps (0 = only the final one)."
+        default=0,
+        ge=0,
+        description="Save a checkpoint (full state + HF export) every N steps (0 = only the final one).",
     )
-    keep_last: int = Field(2, ge=1, description="Periodic checkpoints kept on disk.")
+    keep_last: int = Field(default=2, ge=1, description="Periodic checkpoints kept on disk.")
 
 
 class EvalConfig(Section):
     """Held-out evaluation."""
 
     max_prompts: int = Field(
-        200, ge=1, description="Test prompts evaluated (the first N of the test split)."
+        default=200, ge=1, description="Test prompts evaluated (the first N of the test split)."
     )
-    samples: int = Field(4, ge=1, description="Sampled responses per prompt for pass@k.")
-    pass_k: int = Field(4, ge=1, description="k of pass@k (unbiased estimator over `samples`).")
+    samples: int = Field(default=4, ge=1, description="Sampled responses per prompt for pass@k.")
+    pass_k: int = Field(
+        default=4, ge=1, description="k of pass@k (unbiased estimator over `samples`)."
+    )
     temperature: float = Field(
-        1.0, gt=0, description="Sampling temperature for pass@k (accuracy is greedy)."
+        default=1.0, gt=0, description="Sampling temperature for pass@k (accuracy is greedy)."
     )
-    max_tokens: int = Field(16, ge=1, description="Max new tokens per response.")
+    max_tokens: int = Field(default=16, ge=1, description="Max new tokens per response.")
     before_after: bool = Field(
-        True, description="`trident train` evaluates before and after training."
+        default=True, description="`trident train` evaluates before and after training."
     )
 
 
@@ -294,19 +393,20 @@ class SFTConfig(Section):
     """Supervised fine-tuning (`trident sft`)."""
 
     output: str = Field(
-        "", description="Where the fine-tuned checkpoint is written (default `<run dir>/model`)."
+        default="",
+        description="Where the fine-tuned checkpoint is written (default `<run dir>/model`).",
     )
-    steps: int = Field(600, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(64, ge=1, description="Sequences per optimizer step (global).")
+    steps: int = Field(default=600, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(default=64, ge=1, description="Sequences per optimizer step (global).")
     lr: float = Field(
-        3e-3, gt=0, description="Peak AdamW learning rate (cosine decay after warm-up)."
+        default=3e-3, gt=0, description="Peak AdamW learning rate (cosine decay after warm-up)."
     )
-    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(default=20, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     num_ranks: int = Field(
-        1, ge=1, description="FSDP2 ranks (processes); gloo on CPU, NCCL on GPU."
+        default=1, ge=1, description="FSDP2 ranks (processes); gloo on CPU, NCCL on GPU."
     )
-    max_seq_len: int = Field(256, ge=8, description="Longer sequences are truncated.")
+    max_seq_len: int = Field(default=256, ge=8, description="Longer sequences are truncated.")
     answer_formats: list[str] = Field(
         default_factory=list,
         description="Response templates for a built-in task's SFT targets (`{answer}` and the row's other "
@@ -318,18 +418,39 @@ class ClusterConfig(Section):
     """Ray: local instance or an existing cluster."""
 
     address: str = Field(
-        "",
+        default="",
         description="Ray address to join (`auto`, `ray://host:10001`); empty = start a local instance.",
     )
-    num_cpus: int = Field(0, ge=0, description="CPUs for a local Ray instance (0 = all).")
+    num_cpus: int = Field(default=0, ge=0, description="CPUs for a local Ray instance (0 = all).")
 
 
 class TelemetryConfig(Section):
     """Metrics sinks and progress display."""
 
-    tensorboard: bool = Field(True, description="Write TensorBoard events to the run directory.")
-    wandb_project: str = Field("", description="Also log to this Weights & Biases project.")
-    progress: bool = Field(True, description="Show rich progress bars.")
+    tensorboard: bool = Field(
+        default=True, description="Write TensorBoard events to the run directory."
+    )
+    wandb_project: str = Field(
+        default="",
+        description="Also log to this Weights & Biases project (`pip install 'trident[wandb]'`; "
+        "WANDB_MODE=offline keeps the run in <run dir>/wandb).",
+    )
+    mlflow_uri: str = Field(
+        default="",
+        description="Also log to MLflow at this tracking URI (a server URL or `file:/path`; "
+        "`pip install 'trident[mlflow]'`), experiment `trident`, run named after the run directory.",
+    )
+    progress: bool = Field(default=True, description="Show rich progress bars.")
+    samples: Literal["all", "trained", "none"] = Field(
+        default="all",
+        description="Which samples' lineage to keep in <run dir>/samples/step_<k>.parquet for "
+        "`trident inspect`: all (trained and discarded, with why), trained only, or none.",
+    )
+    sample_text_chars: int = Field(
+        default=1000,
+        ge=0,
+        description="Characters of each prompt and response kept in the sample lineage (0 = whole texts).",
+    )
 
 
 class Derived(BaseModel):
@@ -407,9 +528,10 @@ class TridentConfig(Section):
             errors.append(
                 "pipeline.mode=sync is strictly on-policy: set pipeline.max_staleness=0 or use an async mode"
             )
-        if self.pipeline.mode != "sync" and self.pipeline.max_staleness == 0:
+        if self.pipeline.mode == "colocate_async" and self.pipeline.max_staleness == 0:
             errors.append(
-                f"pipeline.mode={self.pipeline.mode} needs pipeline.max_staleness >= 1 (η=0 is the sync trainer)"
+                "pipeline.mode=colocate_async trains every token one version stale: it needs "
+                "pipeline.max_staleness >= 1 (η=0 is the sync trainer)"
             )
         algo = self.algo
         if (

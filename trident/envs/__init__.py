@@ -21,15 +21,16 @@ shows the model, so that SFT renders the same prompt as rollout).
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from trident.registry import load_entry_point
+
 if TYPE_CHECKING:
-    from trident.agent.parsers import AssistantTurn
-    from trident.agent.tools import ToolResult, ToolSet
+    from trident.tools.parsers import AssistantTurn
+    from trident.tools.toolset import ToolResult, ToolSet
 
 Message = dict[str, Any]
 
@@ -50,11 +51,13 @@ class Env(Protocol):
 
     async def reset(self, row: dict[str, Any]) -> list[Message]:
         """Called once per trajectory, before the first turn: the initial chat messages."""
+        ...
 
     async def step(self, turn: AssistantTurn, results: list[ToolResult]) -> StepResult:
         """Called after every assistant turn, once the loop has run the turn's tool calls
         (``results``, in call order, errors included). Extra observations (e.g. a user message)
         go after the tool results; ``done`` ends the episode."""
+        ...
 
     async def close(self) -> None:
         """Called once when the trajectory ends, however it ends: release per-episode state."""
@@ -85,13 +88,6 @@ def register_env(
     REGISTRY[name] = EnvSpec(name, entry_point, data, description, corpus)
 
 
-def _load(entry: str) -> Any:
-    if ":" not in entry:
-        raise ValueError(f"entry point {entry!r} is not of the form module:attribute")
-    module, attr = entry.split(":", 1)
-    return getattr(importlib.import_module(module), attr)
-
-
 def get_spec(name: str) -> EnvSpec:
     if name in REGISTRY:
         return REGISTRY[name]
@@ -106,7 +102,11 @@ def get_spec(name: str) -> EnvSpec:
 def make_env(name: str, **kwargs: Any) -> Env:
     """A fresh environment (one per trajectory) by registered name or ``"module:Class"``."""
     spec = get_spec(name)
-    factory = _load(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
+    factory = (
+        load_entry_point(spec.entry_point)
+        if isinstance(spec.entry_point, str)
+        else spec.entry_point
+    )
     return factory(**kwargs)
 
 
@@ -125,7 +125,7 @@ def env_rows(
     spec = get_spec(name)
     if not spec.data:
         raise KeyError(f"environment {name!r} has no data generator")
-    rows = _load(spec.data)(n, split, seed, **options)
+    rows = load_entry_point(spec.data)(n, split, seed, **options)
     if not show_tools:
         rows = [{k: v for k, v in row.items() if k != "tools"} for row in rows]
     return rows

@@ -31,11 +31,11 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
-from trident.agent.parsers import AssistantTurn
-from trident.agent.tools import Tool, ToolResult, ToolSet, tool
 from trident.data.tasks import extract_answer, generate_split, safe_eval_expression
 from trident.envs import Message, StepResult
 from trident.models.load import prompt_messages
+from trident.tools.parsers import AssistantTurn
+from trident.tools.toolset import Tool, ToolResult, ToolSet, tool
 
 OPERATIONS = {"plus": "+", "minus": "-", "times": "*"}
 KEYS = [f"{letter}{digit}" for letter in string.ascii_uppercase for digit in range(1, 10)]
@@ -97,6 +97,7 @@ class CalcLookupTask:
     """Row generator in the shape of ``trident.data.tasks.Task`` (reuses ``generate_split``)."""
 
     name = "calc_lookup"
+    reward = ""  # scored by ``verify``
 
     def __init__(
         self,
@@ -144,6 +145,8 @@ class CalcLookupTask:
             calc(expression)
         except ValueError as e:
             error = f"Error: calc raised ValueError: {e}"
+        else:
+            raise AssertionError(f"calc accepted key names: {expression}")
         return [
             *prompt_messages(row["prompt"]),
             {

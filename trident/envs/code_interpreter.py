@@ -19,12 +19,12 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from trident.agent.parsers import AssistantTurn
-from trident.agent.tools import ToolResult, ToolSet, format_exec_result, sandbox_tools
 from trident.data.tasks import extract_answer, generate_split
 from trident.envs import Message, StepResult
 from trident.models.load import prompt_messages
 from trident.sandbox import SandboxResult
+from trident.tools.parsers import AssistantTurn
+from trident.tools.toolset import ToolResult, ToolSet, format_exec_result, sandbox_tools
 
 
 class CodeEnv:
@@ -87,6 +87,7 @@ class CodeTask:
     """Row generator in the shape of ``trident.data.tasks.Task`` (reuses ``generate_split``)."""
 
     name = "code_interpreter"
+    reward = ""  # scored by ``verify``
 
     def make_row(self, rng: random.Random, index: int) -> dict[str, Any]:
         question, code, answer = _question(rng)

@@ -130,21 +130,22 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     out.mkdir(parents=True, exist_ok=True)
     spec = dict(PRESETS[preset])
     tokenizer = build_tokenizer(spec.pop("vocab_size"))
+    bos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    assert isinstance(bos_id, int) and isinstance(eos_id, int) and isinstance(pad_id, int)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         max_position_embeddings=1024,
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
         **spec,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "trident.json").write_text(json.dumps({"preset": preset, "seed": seed}) + "\n")

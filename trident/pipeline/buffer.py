@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from trident.sample import Sample
@@ -133,7 +134,7 @@ class RolloutBuffer:
         self._running: dict[int, GroupTicket] = {}
         self._ready: list[_Ready] = []
         self._admitted = 0  # groups admitted and not dropped
-        self._next_index = itertools.count()
+        self._next_index = 0  # the admission index of the next group
         self._finish_order = itertools.count()
         self._error: BaseException | None = None
         self._changed = _Signal()
@@ -167,9 +168,8 @@ class RolloutBuffer:
             self._raise_if_failed()
             await self._changed.wait()
         self._raise_if_failed()
-        ticket = GroupTicket(
-            next(self._next_index), self.version, self.version + self.max_staleness
-        )
+        ticket = GroupTicket(self._next_index, self.version, self.version + self.max_staleness)
+        self._next_index += 1
         self._running[ticket.index] = ticket
         self._admitted += 1
         return ticket
@@ -205,6 +205,9 @@ class RolloutBuffer:
         self._raise_if_failed()
         taken = {id(r) for r in chosen}
         self._ready = [r for r in self._ready if id(r) not in taken]
+        # admission order, not finish order: the trainer's input is the same whatever order
+        # the groups happened to finish in (a fixed reduction order, and exact resume)
+        chosen.sort(key=lambda r: r.ticket.index)
         samples = [s for r in chosen for s in r.samples]
         self._check_and_count(samples)
         self.steps_taken += 1
@@ -219,6 +222,36 @@ class RolloutBuffer:
             )
         self.version = version
         self._changed.notify()
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the steps taken, the admission counter and the finished
+        groups waiting for the trainer (groups still generating are the caller's to keep)."""
+        return {
+            "steps_taken": self.steps_taken,
+            "next_index": self._next_index,
+            "ready": [(r.ticket, r.samples) for r in sorted(self._ready, key=lambda r: r.order)],
+            "stats": self.stats,
+        }
+
+    def load_state_dict(self, state: dict, running: Sequence[GroupTicket] = ()) -> None:
+        """Continue after ``state_dict()``: at version = steps taken, the waiting groups back
+        in the buffer, and ``running`` (groups the caller resumes generating) admitted."""
+        if self._ready or self._running or self.steps_taken:
+            raise RuntimeError("load_state_dict on a buffer that is already in use")
+        self.version = self.steps_taken = state["steps_taken"]
+        self._ready = [_Ready(t, s, next(self._finish_order)) for t, s in state["ready"]]
+        self._running = {t.index: t for t in running}
+        self._admitted = self.steps_taken * self.groups_per_step + len(self._ready) + len(running)
+        self._next_index = state["next_index"]
+        self.stats = state["stats"]
+        self._changed.notify()
+
+    @property
+    def ready_samples(self) -> int:
+        """Samples of the finished groups waiting for the trainer."""
+        return sum(len(r.samples) for r in self._ready)
 
     @property
     def depth(self) -> dict[str, int]:

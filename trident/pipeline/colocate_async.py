@@ -14,9 +14,8 @@ batch being generated, no request ever straddles a weight update: no partial rol
 and the per-step wall time is max(generate, train) + sync instead of their sum. The trainer waits
 when generating a batch takes longer than training on one; ``separate_async`` removes that wait.
 
-The batches go through the same version-aware buffer as ``separate_async``
-(``trident.pipeline.buffer``), which checks the staleness invariant on every token and keeps the
-staleness histogram. Off-policy tokens are corrected by the trainer's importance weights
+The batches go through the same version-aware buffer as every mode (``trident.pipeline.buffer``),
+which checks the staleness invariant on every token and keeps the staleness histogram. Off-policy tokens are corrected by the trainer's importance weights
 π_prox/μ (decoupled PPO; see ``separate_async``).
 
 Simplification: the look-ahead is fixed at one step whatever η is; a larger η only loosens the
@@ -26,88 +25,51 @@ check.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
-from trident.pipeline.buffer import GroupTicket, RolloutBuffer
-from trident.pipeline.separate_async import (
-    AsyncRun,
+from trident.pipeline.buffer import RolloutBuffer
+from trident.pipeline.gate import WeightGate
+from trident.pipeline.harness import RunHarness
+from trident.pipeline.stages import (
     GroupMaker,
     StepHook,
     Trainer,
-    generate_into,
+    fill_batch,
+    install,
+    take_batch,
+    train_on,
 )
-from trident.sample import Sample
 from trident.telemetry.trace import Trace
 
 
-async def generate_batch(buffer: RolloutBuffer, make_group: GroupMaker, groups: int) -> None:
-    """Put ``groups`` groups into the buffer (a group with nothing trainable is replaced)."""
-
-    async def one() -> None:
-        while (ticket := await buffer.admit()) is not None:
-            if await generate_into(buffer, make_group, ticket):
-                return
-
-    await asyncio.gather(*(one() for _ in range(groups)))
+async def train(h: RunHarness) -> None:
+    """``pipeline.mode=colocate_async``: each group on one server, one step of look-ahead."""
+    await h.run(run_colocate, h.group_on_one_server)
 
 
 async def run_colocate(
     buffer: RolloutBuffer,
+    gate: WeightGate,
     make_group: GroupMaker,
     trainer: Trainer,
     steps: int,
     trace: Trace,
     on_step: StepHook,
 ) -> None:
-    """``steps`` training steps, each overlapped with generating the next step's batch."""
-    per_step = buffer.groups_per_step
-    with trace.span("queue wait", "trainer"):
-        await generate_batch(buffer, make_group, per_step)
-    for step in range(steps):
-        t0 = trace.now()
-        with trace.span("queue wait", "trainer"):
-            samples = await buffer.next_batch()
-        depth = buffer.depth
+    """Training steps (from the buffer's steps taken up to ``steps``), each overlapped with
+    generating the next step's batch."""
+    per_step, first, start = buffer.groups_per_step, buffer.steps_taken, trace.now()
+    if buffer.depth["ready"] < per_step:  # a resumed run has its next batch waiting already
+        await fill_batch(buffer, make_group, per_step)
+    for step in range(first, steps):
+        samples, metrics = await take_batch(buffer, trace, since=start if step == first else None)
         following = None
         if step + 1 < steps:
-            following = asyncio.create_task(generate_batch(buffer, make_group, per_step))
-        t1 = trace.now()
-        with trace.span("train", "trainer", step=step):
-            metrics = await trainer.train_step(samples)
-        t2 = trace.now()
+            following = asyncio.create_task(fill_batch(buffer, make_group, per_step))
+        metrics |= await train_on(trainer, samples, step, trace)
         if following is not None:
+            start = trace.now()
             with trace.span("queue wait", "trainer"):
                 await following
-        t3 = trace.now()
-        with trace.span("weight sync", "trainer", version=step + 1):
-            sync = await trainer.sync_weights(step + 1)
-        buffer.advance(step + 1)
-        trace.counter("buffer", "buffer", **depth)
-        metrics |= {f"sync/{k}": v for k, v in sync.items()}
-        metrics |= {
-            "time/wait_s": (t1 - t0) + (t3 - t2),
-            "time/train_s": t2 - t1,
-            "time/sync_s": trace.now() - t3,
-        }
-        metrics |= {f"buffer/{k}": float(v) for k, v in depth.items()}
+            metrics["time/wait_s"] += trace.now() - start
+        metrics |= await install(gate, trainer, buffer, step + 1, trace)
         await on_step(step, samples, metrics)
-
-
-async def train(cfg: Any, fleet: Any, trainer: Any, log: Any) -> dict[str, Any]:
-    """``pipeline.mode=colocate_async``: the driver ``trident.pipeline.run`` starts."""
-    run = AsyncRun(cfg, fleet, trainer, log)
-    await run.begin()
-
-    async def make_group(ticket: GroupTicket) -> list[Sample]:
-        row = run.next_row()
-        server = run.router.pick()  # the whole group (all its trajectories' turns) on one server
-        with run.trace.span("generate", f"rollout {server.url}", version=ticket.version):
-            samples = await run.rollout.generate(server, row, ticket.version)
-        run.stats.segments += 1
-        run.stats.generated_tokens += sum(s.num_response_tokens for s in samples)
-        return await run.score(samples)
-
-    await run_colocate(
-        run.buffer, make_group, run.trainer, cfg.pipeline.steps, run.trace, run.on_step
-    )
-    return await run.finish()

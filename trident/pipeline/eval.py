@@ -17,6 +17,8 @@ from math import comb
 from pathlib import Path
 from typing import Any
 
+from trident.config import TridentConfig
+from trident.config.schema import EvalConfig
 from trident.models.load import encode_chat, load_tokenizer, prompt_messages
 from trident.rewards import RewardModel
 from trident.rollout.engine import RolloutEngine, SamplingParams
@@ -29,7 +31,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 async def evaluate(
-    engine: RolloutEngine, tokenizer, rows: list[dict], cfg: Any, concurrency: int = 64
+    engine: RolloutEngine, tokenizer, rows: list[dict], cfg: TridentConfig, concurrency: int = 64
 ) -> dict:
     """Greedy accuracy and pass@k of ``engine`` on ``rows``; returns a JSON-ready dict."""
     if cfg.env.name:
@@ -68,7 +70,7 @@ async def evaluate(
     return _summary(results, ec)
 
 
-def _summary(results: list[dict], ec: Any) -> dict:
+def _summary(results: list[dict], ec: EvalConfig) -> dict:
     n = len(results)
     return {
         "num_prompts": n,
@@ -85,11 +87,11 @@ def _summary(results: list[dict], ec: Any) -> dict:
 
 
 async def evaluate_env(
-    engine: RolloutEngine, tokenizer, rows: list[dict], cfg: Any, concurrency: int = 64
+    engine: RolloutEngine, tokenizer, rows: list[dict], cfg: TridentConfig, concurrency: int = 64
 ) -> dict:
     """``evaluate`` for an environment: greedy and sampled trajectories through the agent loop."""
     from trident.agent.loop import agent_metrics, rollout_env_group
-    from trident.pipeline.rollout import agent_config
+    from trident.pipeline.groups import agent_config
 
     ec, agent = cfg.eval, agent_config(cfg)
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=ec.max_tokens, stop=cfg.rollout.stop)
@@ -133,15 +135,16 @@ async def evaluate_env(
     }
 
 
-def heldout_rows(cfg: Any) -> list[dict]:
-    from trident.pipeline.rollout import split_rows
+def heldout_rows(cfg: TridentConfig) -> list[dict]:
+    from trident.pipeline.groups import split_rows
 
     return split_rows(cfg, "test")[: cfg.eval.max_prompts]
 
 
-def run_eval(cfg: Any, out_path: str | Path | None = None) -> dict:
+def run_eval(cfg: TridentConfig, out_path: str | Path | None = None) -> dict:
     """``trident eval``: start a server for ``cfg.model.path``, evaluate, write JSON."""
-    from trident.cluster.ray_cluster import RolloutFleet, init_ray
+    from trident.cluster.ray_cluster import init_ray
+    from trident.rollout.fleet import RolloutFleet
 
     tokenizer = load_tokenizer(cfg.model.path)
     rows = heldout_rows(cfg)

@@ -1,4 +1,4 @@
-"""Prompts to scored Samples: the rollout and reward stages, shared by every driver.
+"""Prompts to scored groups of Samples: the rollout and reward stages, shared by every driver.
 
 Token-in/token-out: the prompt is rendered with the chat template once, the engine's completion
 ids are appended as they came back, and nothing is re-tokenized afterwards.
@@ -6,22 +6,22 @@ ids are appended as they came back, and nothing is re-tokenized afterwards.
 ``GroupRollout`` makes one prompt's group either way the config asks: single-turn (generate, then
 the reward functions) or, with ``env.name``, multi-turn trajectories of an environment through the
 agent loop (``trident.agent``; the environment sets the rewards). Then the reward shaping
-(``algo.overlong_penalty``). ``collect_groups`` is the step's batch: samples that cannot be trained
-on leave it (infrastructure errors, no model-written token), and with ``algo.dynamic_sampling``
-groups whose rewards are all equal are replaced by groups of fresh prompts (DAPO).
+(``algo.overlong_penalty``). ``trainable`` says which samples the loss can use (no infrastructure
+error, at least one model-written token), and ``SignalFilter`` is DAPO's dynamic sampling: a
+group whose rewards are all equal is dropped and replaced by a fresh prompt's group.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trident.agent.loop import AgentConfig, agent_metrics, rollout_env_group
+from trident.agent.loop import AgentConfig, rollout_env_group
+from trident.config import TridentConfig
+from trident.config.algo import AlgoConfig
+from trident.config.schema import RolloutConfig
 from trident.data.loaders import load_split
 from trident.envs import env_rows, get_spec
 from trident.models.load import encode_chat, prompt_messages
@@ -30,7 +30,7 @@ from trident.rollout.engine import RolloutEngine, SamplingParams
 from trident.sample import Sample
 
 
-def split_rows(cfg: Any, split: str) -> list[dict]:
+def split_rows(cfg: TridentConfig, split: str) -> list[dict]:
     """The train or test prompt rows: ``data.*_path`` if set, else the environment's data
     generator (``env.name``, ``env.data_kwargs``), else the built-in task's split."""
     path = cfg.data.train_path if split == "train" else cfg.data.test_path
@@ -42,7 +42,7 @@ def split_rows(cfg: Any, split: str) -> list[dict]:
     return load_split(cfg.data, split, cfg.run.seed)
 
 
-def agent_config(cfg: Any) -> AgentConfig:
+def agent_config(cfg: TridentConfig) -> AgentConfig:
     """The agent loop's budgets from ``cfg.env`` (per-turn tokens default to the sampling
     params' ``max_tokens``)."""
     e = cfg.env
@@ -59,7 +59,7 @@ def agent_config(cfg: Any) -> AgentConfig:
     )
 
 
-def sampling_params(rollout_cfg: Any, seed: int | None = None) -> SamplingParams:
+def sampling_params(rollout_cfg: RolloutConfig, seed: int | None = None) -> SamplingParams:
     rc = rollout_cfg
     return SamplingParams(
         n=rc.n,
@@ -72,12 +72,19 @@ def sampling_params(rollout_cfg: Any, seed: int | None = None) -> SamplingParams
 
 
 async def generate_group(
-    engine: RolloutEngine, tokenizer, row: dict, params: SamplingParams, version: int
+    engine: RolloutEngine,
+    tokenizer: Any,
+    row: dict,
+    params: SamplingParams,
+    version: int,
+    group_id: str | None = None,
 ) -> list[Sample]:
-    """``params.n`` Samples for one prompt, tagged with the policy version that produced them."""
+    """``params.n`` Samples for one prompt, tagged with the policy version that produced them
+    (or, where a completion carries per-token ``versions``, with those); sample ``k`` of the
+    group is ``<group_id>-<k>``."""
     prompt_ids = encode_chat(tokenizer, prompt_messages(row["prompt"]))
     completions = await engine.generate(prompt_ids, params)
-    group_id = f"{row.get('id', 'row')}-{uuid.uuid4().hex[:8]}"
+    group_id = group_id or f"{row.get('id', 'row')}-{uuid.uuid4().hex[:8]}"
     samples = []
     for k, c in enumerate(completions):
         p, n = len(prompt_ids), len(c.token_ids)
@@ -88,7 +95,7 @@ async def generate_group(
                 token_ids=prompt_ids + c.token_ids,
                 loss_mask=[0] * p + [1] * n,
                 logprobs=[0.0] * p + c.logprobs,
-                versions=[-1] * p + [version] * n,
+                versions=[-1] * p + (c.versions or [version] * n),
                 status="truncated" if c.finish_reason == "length" else "ok",
                 metadata={
                     "row": row,
@@ -111,24 +118,7 @@ async def score(samples: list[Sample], rewards: RewardModel) -> None:
     await asyncio.gather(*(one(s) for s in samples))
 
 
-def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
-    scored = [s for s in samples if s.reward is not None]
-    rewards = [s.reward for s in scored] or [0.0]
-    mean = sum(rewards) / len(rewards)
-    lengths = [s.num_response_tokens for s in samples]
-    return {
-        "reward_mean": mean,
-        "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
-        "accuracy": sum(r > 0.5 for r in rewards) / len(rewards),
-        "response_len_mean": sum(lengths) / len(lengths),
-        "response_len_max": max(lengths),
-        "truncated_fraction": sum(s.status == "truncated" for s in samples) / len(samples),
-        "infra_errors": sum(s.status == "infra_error" for s in samples),
-        "response_tokens": sum(lengths),
-    }
-
-
-def shape_rewards(samples: list[Sample], algo_cfg: Any, max_len: int) -> None:
+def shape_rewards(samples: list[Sample], algo_cfg: AlgoConfig, max_len: int) -> None:
     """Add DAPO's overlong penalty (``trident.algorithms.overlong_penalty``) to scored samples'
     rewards when ``algo.overlong_penalty`` is on; ``max_len`` is the response budget L_max."""
     if not algo_cfg.overlong_penalty:
@@ -150,7 +140,9 @@ def shape_rewards(samples: list[Sample], algo_cfg: Any, max_len: int) -> None:
 class GroupRollout:
     """One prompt row -> one scored group of ``rollout.n`` Samples (see the module docstring)."""
 
-    def __init__(self, cfg: Any, tokenizer: Any, rewards: RewardModel | None = None) -> None:
+    def __init__(
+        self, cfg: TridentConfig, tokenizer: Any, rewards: RewardModel | None = None
+    ) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.rewards = rewards or RewardModel.from_config(cfg.reward)
         self.params = sampling_params(cfg.rollout)
@@ -158,21 +150,31 @@ class GroupRollout:
         self.agent = agent_config(cfg) if self.env else None
         self.max_len = cfg.response_budget
 
-    async def generate(self, engine: RolloutEngine, row: dict, version: int) -> list[Sample]:
-        """The group's samples; an environment's already carry its rewards (infrastructure
-        failures: status ``infra_error``, reward None)."""
+    async def generate(
+        self,
+        engine: RolloutEngine,
+        row: dict,
+        version: int,
+        group_id: str | None = None,
+        params: SamplingParams | None = None,
+    ) -> list[Sample]:
+        """The group's samples (with ``rollout.*`` sampling unless ``params`` says otherwise);
+        an environment's already carry its rewards (infrastructure failures: status
+        ``infra_error``, reward None)."""
+        params = params or self.params
         if not self.env:
-            return await generate_group(engine, self.tokenizer, row, self.params, version)
+            return await generate_group(engine, self.tokenizer, row, params, version, group_id)
         return await rollout_env_group(
             engine,
             self.tokenizer,
             self.env,
             row,
-            self.params,
+            params,
             version,
             self.cfg.rollout.n,
             config=self.agent,
             env_kwargs=self.cfg.env.kwargs,
+            group_id=group_id,
         )
 
     async def finish(self, samples: list[Sample]) -> list[Sample]:
@@ -182,8 +184,10 @@ class GroupRollout:
         shape_rewards(samples, self.cfg.algo, self.max_len)
         return samples
 
-    async def __call__(self, engine: RolloutEngine, row: dict, version: int) -> list[Sample]:
-        return await self.finish(await self.generate(engine, row, version))
+    async def __call__(
+        self, engine: RolloutEngine, row: dict, version: int, group_id: str | None = None
+    ) -> list[Sample]:
+        return await self.finish(await self.generate(engine, row, version, group_id))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,17 +217,6 @@ def has_signal(group: list[Sample]) -> bool:
     return len(rewards) >= 2 and max(rewards) - min(rewards) > 1e-9
 
 
-def select_groups(
-    groups: list[list[Sample]], needed: int
-) -> tuple[list[list[Sample]], list[list[Sample]]]:
-    """Split groups into (the first ``needed`` with signal, the rest without signal or beyond
-    ``needed``), keeping their order."""
-    kept, dropped = [], []
-    for group in groups:
-        (kept if len(kept) < needed and has_signal(group) else dropped).append(group)
-    return kept, dropped
-
-
 class SignalFilter:
     """Dynamic sampling for the streaming drivers: a group without signal is dropped (and
     replaced by a fresh prompt), at most ``limit`` in a row; past that, groups without signal
@@ -251,89 +244,3 @@ class SignalFilter:
         if kept + dropped:
             out["dynamic_sampling/kept_fraction"] = kept / (kept + dropped)
         return out
-
-
-@dataclass
-class StepBatch:
-    """One step's rollout: the samples to train on, every sample generated, and counters."""
-
-    train: list[Sample]
-    generated: list[Sample]
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-GroupsMaker = Callable[[int], Awaitable[list[list[Sample]]]]
-
-
-async def collect_groups(
-    make: GroupsMaker,
-    groups: int,
-    *,
-    dynamic: bool = False,
-    max_rounds: int = 1,
-    exclude_infra_errors: bool = True,
-) -> StepBatch:
-    """The step's groups: ``make(k)`` generates and scores ``k`` groups of fresh prompts.
-
-    Without dynamic sampling: one round of ``groups`` groups, untrainable samples removed.
-    With it (DAPO): groups whose trainable samples' rewards are all equal are dropped, and more
-    prompts are generated, in at most ``max_rounds`` rounds, until ``groups`` groups with signal
-    are collected. Each later round asks for the missing groups divided by the fraction kept so
-    far (at most ``groups``). If no round produced a group with signal, the last round's groups
-    are trained on (their advantages are zero; the step and its weight sync still happen).
-    """
-    generated: list[Sample] = []
-    kept: list[list[Sample]] = []
-    last: list[list[Sample]] = []
-    made = rounds = untrainable = 0
-    ask = groups
-    while True:
-        rounds += 1
-        raw = await make(ask)
-        made += len(raw)
-        generated += [s for g in raw for s in g]
-        usable = [trainable(g, exclude_infra_errors) for g in raw]
-        untrainable += sum(no_tokens(s) for g in raw for s in g)
-        if not dynamic:
-            kept = [g for g in usable if g]
-            break
-        last = [g for g in usable if g]
-        new, _ = select_groups(usable, groups - len(kept))
-        kept += new
-        if len(kept) >= groups or rounds >= max_rounds:
-            break
-        rate = len(kept) / made
-        ask = groups if rate == 0 else min(groups, math.ceil((groups - len(kept)) / rate))
-    metrics = {"untrainable_samples": float(untrainable)}
-    if dynamic:
-        metrics |= {
-            "dynamic_sampling/rounds": float(rounds),
-            "dynamic_sampling/generated_groups": float(made),
-            "dynamic_sampling/kept_groups": float(len(kept)),
-            "dynamic_sampling/dropped_groups": float(made - len(kept)),
-            "dynamic_sampling/kept_fraction": len(kept) / made,
-        }
-        if not kept:
-            kept = last
-    return StepBatch([s for g in kept for s in g], generated, metrics)
-
-
-def step_metrics(batch: StepBatch, env: bool) -> dict[str, float]:
-    """Rollout metrics of every generated sample (the policy's performance, whatever dynamic
-    sampling kept), agent metrics for environment runs, and the batch's counters."""
-    metrics = rollout_metrics(batch.generated) | batch.metrics
-    metrics["trained_samples"] = float(len(batch.train))
-    if env:
-        metrics |= agent_metrics(batch.generated)
-    return metrics | overlong_metrics(batch.generated)
-
-
-def overlong_metrics(samples: list[Sample]) -> dict[str, float]:
-    """Mean overlong penalty and the fraction of samples it touched (``algo.overlong_penalty``)."""
-    penalties = [s.metrics["overlong_penalty"] for s in samples if "overlong_penalty" in s.metrics]
-    if not penalties:
-        return {}
-    return {
-        "overlong/penalty_mean": sum(penalties) / len(penalties),
-        "overlong/penalized_fraction": sum(p < 0 for p in penalties) / len(penalties),
-    }

@@ -1,72 +1,53 @@
-"""Running a training job: Ray, the rollout servers, the trainer, and the driver that
-``pipeline.mode`` selects; checkpoints; the run directory. Everything started here is stopped on
-normal exit, exception and Ctrl-C."""
+"""``trident train``: Ray, the rollout servers, the trainer, the run harness and the driver that
+``pipeline.mode`` selects. Everything started here is stopped on normal exit, exception and
+Ctrl-C; the run directory holds the config, metrics, trace, evals and checkpoints."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
-import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from trident.cluster.ray_cluster import RolloutFleet, init_ray
-from trident.config import save_config
+import ray
+
+from trident.cluster.ray_cluster import init_ray
+from trident.config import TridentConfig, save_config
+from trident.pipeline import checkpoint, colocate_async, separate_async, sync
+from trident.pipeline.harness import RunHarness, RunTrainer
+from trident.rollout.fleet import RolloutFleet
+from trident.rollout.router import Router
 from trident.telemetry.metrics import MetricsLogger
 from trident.train.group import TrainerGroup
+from trident.weights.backend import server_backend
 
-# pipeline.mode -> the driver coroutine ``train(cfg, fleet, trainer, log) -> results``
-DRIVERS = {
-    "sync": "trident.pipeline.sync:train_sync",
-    "colocate_async": "trident.pipeline.colocate_async:train",
-    "separate_async": "trident.pipeline.separate_async:train",
+DRIVERS: dict[str, Callable[[RunHarness], Awaitable[None]]] = {
+    "sync": sync.train,
+    "colocate_async": colocate_async.train,
+    "separate_async": separate_async.train,
 }
 
-# trainer-side sync backend -> the server's --weight-transfer-config backend
-SERVER_BACKENDS = {"shm": "trident_shm", "nccl": "nccl", "ipc": "ipc"}
 
-
-def weight_backend(cfg: Any) -> str:
-    if cfg.sync.backend != "auto":
-        return cfg.sync.backend
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "shm"
-
-
-def save_checkpoint(trainer: TrainerGroup, run_dir: Path, name: str, keep_last: int | None) -> str:
-    out = trainer.call("save_hf", str(run_dir / "checkpoints" / name))
-    if keep_last:
-        periodic = sorted(
-            (run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1])
-        )
-        for old in periodic[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    return out
-
-
-def run_train(cfg: Any) -> dict[str, Any]:
-    """``trident train``: start Ray, the servers and the trainer; run; stop everything."""
-    import ray
-
-    module, name = DRIVERS[cfg.pipeline.mode].split(":")
-    driver = getattr(importlib.import_module(module), name)
+def run_train(cfg: TridentConfig) -> dict[str, Any]:
+    """Start Ray, the servers and the trainer; run the harness and the driver; stop everything.
+    Returns the harness's results (evals before/after, final checkpoint, pipeline summary)."""
     run_dir = Path(cfg.derived.run_dir)
+    resume_from = checkpoint.prepare_run_dir(cfg)  # refuse, empty or resume: before anything
     save_config(cfg, run_dir)  # the run directory is complete whatever started the run
+    t = cfg.telemetry
     log = MetricsLogger(
-        run_dir, cfg.telemetry.tensorboard, cfg.telemetry.wandb_project, cfg.model_dump(mode="json")
+        run_dir, t.tensorboard, t.wandb_project, cfg.model_dump(mode="json"), t.mlflow_uri
     )
     started_ray = not ray.is_initialized()
     init_ray(cfg.cluster)
     try:
         with (
-            RolloutFleet(
-                cfg, cfg.model.path, run_dir, weight_transfer=SERVER_BACKENDS[weight_backend(cfg)]
-            ) as fleet,
+            RolloutFleet(cfg, cfg.model.path, run_dir, server_backend(cfg.sync)) as fleet,
             TrainerGroup(cfg) as trainer,
         ):
-            results = asyncio.run(driver(cfg, fleet, trainer, log))
+            pids = fleet.pids() | trainer.pids
+            results = asyncio.run(run(cfg, fleet.router, trainer, log, resume_from, pids))
     finally:
         log.close()
         if started_ray and not cfg.cluster.address:
@@ -75,3 +56,24 @@ def run_train(cfg: Any) -> dict[str, Any]:
         if key in results:
             (run_dir / f"eval_{key}.json").write_text(json.dumps(results[key], indent=2) + "\n")
     return results
+
+
+async def run(
+    cfg: TridentConfig,
+    router: Router,
+    trainer: RunTrainer,
+    log: MetricsLogger,
+    resume_from: Path | None = None,
+    pids: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """The run on servers and a trainer that are up: begin (from ``resume_from``, a
+    checkpoint, when given), the schedule, finish; all under the hang watchdog (``pids``: the
+    processes whose stacks it dumps)."""
+    harness = RunHarness(cfg, router, trainer, log, pids)
+
+    async def body() -> dict[str, Any]:
+        await harness.begin(resume_from)
+        await DRIVERS[cfg.pipeline.mode](harness)
+        return await harness.finish()
+
+    return await harness.watchdog.guard(body())

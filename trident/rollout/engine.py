@@ -37,25 +37,22 @@ class Completion:
     logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int = 0
+    # the policy version of each token, where they differ along one completion (a request
+    # resumed across weight updates: ``trident.pipeline.separate_async.PartialRollout``)
+    versions: list[int] | None = None
 
 
 class RolloutEngine(Protocol):
+    """What the group rollout, the agent loop and eval call: ``VLLMClient``, ``Router``, or a
+    wrapper such as the async driver's ``PartialRollout``. The servers' control calls
+    (pause/resume/abort, prefix-cache reset, health) are ``VLLMClient``'s and ``Router``'s own
+    methods, used by the weight gate and the sync."""
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None
     ) -> list[Completion]:
         """Called for every prompt (or agent turn); ``session_id`` keeps a trajectory on one server."""
-
-    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """Called by weight-sync verification: logprob of each token after the first."""
-
-    async def pause(self) -> None:
-        """Called before a weight update: stop scheduling, in-flight requests are aborted."""
-
-    async def resume(self) -> None:
-        """Called after a verified weight update."""
-
-    async def healthy(self) -> bool:
-        """Called by supervision between steps."""
+        ...
 
 
 DROPPED_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
@@ -91,7 +88,8 @@ class VLLMClient:
     async def _post(
         self, path: str, payload: dict | None = None, timeout: float | None = None
     ) -> dict:
-        for attempt in range(2):
+        retried = False
+        while True:
             try:
                 r = await self.http.post(
                     f"{self.url}{path}", json=payload or {}, timeout=timeout or self.timeout_s
@@ -101,8 +99,9 @@ class VLLMClient:
                 # A connection that dropped without an answer is retried once, on a new one: a
                 # pooled connection can be closed by the server as it is reused (seen under load
                 # after a long pause, e.g. a checkpoint save). A dead server fails again.
-                if attempt:
+                if retried:
                     raise engine_error(self.url + path, e) from e
+                retried = True
             except httpx.HTTPError as e:
                 raise engine_error(self.url + path, e) from e
         if r.status_code != 200:

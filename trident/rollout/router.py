@@ -43,9 +43,6 @@ class Router:
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         return await self.pick().prompt_logprobs(token_ids)
 
-    async def all_prompt_logprobs(self, token_ids: list[int]) -> list[list[float]]:
-        return list(await asyncio.gather(*(c.prompt_logprobs(token_ids) for c in self.clients)))
-
     async def pause(self) -> None:
         await asyncio.gather(*(c.pause() for c in self.clients))
 

@@ -15,34 +15,19 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
+from trident.cluster.net import check_port_free, free_port
+
 
 class ServerStartError(RuntimeError):
     """The vLLM server exited or did not become healthy; the message holds its log tail."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def check_port_free(port: int, host: str = "127.0.0.1") -> None:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            raise ServerStartError(
-                f"port {port} on {host} is in use: pick another or use port 0 (any free port)"
-            ) from None
 
 
 def _die_with_parent() -> None:
@@ -75,7 +60,7 @@ class VLLMServer:
         kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.5,
         weight_transfer_backend: str | None = "trident_shm",
-        extra_args: list[str] = (),
+        extra_args: Sequence[str] = (),
         seed: int = 0,
     ) -> None:
         self.model_path, self.host = model_path, host

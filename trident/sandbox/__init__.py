@@ -45,7 +45,14 @@ import functools
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # loaded lazily by __getattr__ below
+    from trident.sandbox.bwrap import BwrapConfig, BwrapSandbox
+    from trident.sandbox.e2b_backend import E2BSandbox
+    from trident.sandbox.pool import SandboxPool
+    from trident.sandbox.sandboxfusion import SandboxFusionSandbox
+    from trident.sandbox.service import RemoteSandbox
 
 SandboxStatus = Literal["ok", "timeout", "oom", "killed", "error"]
 SessionKind = Literal["python", "bash"]

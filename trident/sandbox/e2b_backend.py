@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib
 import math
 import os
 import shlex
@@ -57,11 +58,10 @@ _INSTALL_HINT = "the e2b backend needs the e2b SDK: pip install 'trident[e2b]'"
 
 
 def _import_sdk() -> Any:
-    try:
-        import e2b_code_interpreter
+    try:  # by name: the SDK is an optional dependency
+        return importlib.import_module("e2b_code_interpreter")
     except ImportError as exc:
         raise ImportError(f"{_INSTALL_HINT} ({exc})") from exc
-    return e2b_code_interpreter
 
 
 class E2BSandbox(BlockingClient):

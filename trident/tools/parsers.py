@@ -12,11 +12,12 @@ Parsers are pluggable: ``get_parser`` takes a registered name (``hermes``, ``qwe
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from trident.registry import load_entry_point
 
 
 @dataclass
@@ -71,6 +72,7 @@ class ToolCallParser(Protocol):
     def parse(self, text: str) -> AssistantTurn:
         """Called by the agent loop on every assistant turn, decoded with special tokens kept
         and the end-of-turn token removed."""
+        ...
 
 
 class HermesParser:
@@ -137,8 +139,8 @@ class HermesParser:
 
 
 PARSERS: dict[str, str] = {
-    "hermes": "trident.agent.parsers:HermesParser",
-    "qwen": "trident.agent.parsers:HermesParser",
+    "hermes": "trident.tools.parsers:HermesParser",
+    "qwen": "trident.tools.parsers:HermesParser",
 }
 
 
@@ -150,5 +152,4 @@ def get_parser(name: str) -> ToolCallParser:
             f"unknown tool-call parser {name!r}; registered: {', '.join(PARSERS)}, "
             "or use module:Class"
         )
-    module, attr = entry.split(":", 1)
-    return getattr(importlib.import_module(module), attr)()
+    return load_entry_point(entry)()

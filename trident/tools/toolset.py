@@ -31,9 +31,9 @@ import typing
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
-from trident.agent.parsers import ToolCall
+from trident.tools.parsers import ToolCall
 
 ToolFn = Callable[..., Awaitable[str]]
 
@@ -149,6 +149,22 @@ def function_schema(fn: Callable) -> tuple[str, dict[str, Any]]:
     return description, {"type": "object", "properties": properties, "required": required}
 
 
+@overload
+def tool(
+    fn: Callable,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout_s: float = 30.0,
+) -> Tool: ...
+@overload
+def tool(
+    fn: None = None,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout_s: float = 30.0,
+) -> Callable[[Callable], Tool]: ...
 def tool(
     fn: Callable | None = None,
     *,
@@ -372,8 +388,10 @@ class MCPClient:
         if isinstance(self.server, str):
             try:
                 from mcp.client.streamable_http import streamable_http_client as http_client
-            except ImportError:  # mcp 1.x
-                from mcp.client.streamable_http import streamablehttp_client as http_client
+            except ImportError:  # mcp 1.x (the type checker sees 2.x, which renamed it)
+                from mcp.client.streamable_http import (
+                    streamablehttp_client as http_client,  # pyright: ignore[reportAttributeAccessIssue]
+                )
             streams = await stack.enter_async_context(http_client(self.server))
         else:
             from mcp import StdioServerParameters

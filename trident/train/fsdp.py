@@ -9,9 +9,15 @@ from __future__ import annotations
 import datetime
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 
 def device() -> torch.device:
@@ -45,7 +51,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     )
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
+def shard(model: ModuleT) -> ModuleT:
     """fully_shard each decoder layer, then the root (the usual FSDP2 wrapping of an HF LM).
 
     On one rank only the root is wrapped: per-layer units buy nothing there (no memory to save,
@@ -63,12 +69,15 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict on CPU (collective: every rank must call it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(
+    state = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
+    return cast(dict[str, torch.Tensor], state)  # full_state_dict: whole tensors, no shards
 
 
-def save_hf(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path | None:
+def save_hf(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path
+) -> Path:
     """Save an HF-format checkpoint (collective; rank 0 writes)."""
     state = full_state_dict(model)
     out = Path(out_dir)
@@ -78,6 +87,49 @@ def save_hf(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path | No
         tokenizer.save_pretrained(out)
     dist.barrier()
     return out
+
+
+def save_training_state(
+    path: str | Path, parts: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]], extra: dict
+) -> None:
+    """Every model and optimizer of ``parts`` with ``torch.distributed.checkpoint`` (each rank
+    writes its own shards, so N ranks save and load without a gather), plus this rank's
+    non-tensor state ``extra`` (schedulers, controllers, RNG) beside them. Collective."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state: dict = {}
+    for name, (model, opt) in parts.items():
+        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(model, opt)
+    save(state, checkpoint_id=str(out))
+    torch.save(extra, out / f"extra_rank{dist.get_rank()}.pt")
+    dist.barrier()
+
+
+def load_training_state(
+    path: str | Path, parts: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
+) -> dict:
+    """Load what ``save_training_state`` wrote into ``parts`` (in place); returns this rank's
+    ``extra`` (rank 0's when the run had fewer ranks). Collective."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    src = Path(path)
+    state: dict = {}
+    for name, (model, opt) in parts.items():
+        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(model, opt)
+    load(state, checkpoint_id=str(src))
+    for name, (model, opt) in parts.items():
+        set_state_dict(
+            model,
+            opt,
+            model_state_dict=state[f"{name}.model"],
+            optim_state_dict=state[f"{name}.optim"],
+        )
+    mine = src / f"extra_rank{dist.get_rank()}.pt"
+    return torch.load(mine if mine.exists() else src / "extra_rank0.pt", weights_only=False)
 
 
 def cosine_lr(step: int, total: int, warmup: int, schedule: str = "cosine") -> float:

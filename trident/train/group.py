@@ -1,44 +1,86 @@
-"""``TrainerGroup``: the policy's FSDP2 ranks as Ray actors, driven as one object.
+"""``TrainerGroup``: the policy's FSDP2 ranks (``PolicyWorker``) as Ray actors, driven as one.
 
-Every call goes to all ranks (they run collectives together) and returns rank 0's result.
-Leaving the ``with`` block kills the actors, so no trainer process outlives the run.
+Every method goes to all ranks (they run collectives together) and returns rank 0's result; each
+is awaitable (Ray object refs are futures), so a driver's event loop keeps generating while the
+trainer works. Leaving the ``with`` block kills the actors, so no trainer process outlives the
+run. Start-up is bounded: ranks that are not up within ``START_TIMEOUT_S`` (e.g. the cluster has
+no room for them) fail with a message instead of waiting forever.
 """
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
+from trident.cluster.net import free_port, node_ip
 from trident.cluster.ray_cluster import role_resources
+from trident.config import TridentConfig
+from trident.sample import Sample
 from trident.train.policy import PolicyWorker
+
+START_TIMEOUT_S = 600.0
+
+
+class TrainerStartError(RuntimeError):
+    """The trainer ranks could not be started (no room on the cluster, or a rank crashed)."""
 
 
 class TrainerGroup(AbstractContextManager):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: TridentConfig) -> None:
         self.cfg = cfg
-        self.workers: list[Any] = []
+        self.workers: list[Any] = []  # ray actor handles of PolicyWorker
+        self.pids: dict[str, int] = {}  # rank -> process id (for stack dumps)
 
     def __enter__(self) -> TrainerGroup:
-        from trident.rollout.vllm_server import free_port
-
-        n = self.cfg.trainer.num_ranks
-        actor_cls = ray.remote(**role_resources())(PolicyWorker)
-        addr, port = ray.util.get_node_ip_address(), free_port()
-        if len([node for node in ray.nodes() if node.get("Alive")]) <= 1:
-            addr = "127.0.0.1"
+        n, resources = self.cfg.trainer.num_ranks, role_resources()
+        actor_cls = ray.remote(PolicyWorker).options(**resources)
+        addr, port = node_ip(), free_port()
         self.workers = [actor_cls.remote(self.cfg, rank, n, addr, port) for rank in range(n)]
         try:
-            ray.get([w.__ray_ready__.remote() for w in self.workers])
-        except ray.exceptions.RayActorError:
+            ray.get([w.__ray_ready__.remote() for w in self.workers], timeout=START_TIMEOUT_S)
+        except GetTimeoutError:
+            self.__exit__(None, None, None)
+            raise TrainerStartError(
+                f"{n} trainer rank(s) asking for {resources} each did not start within "
+                f"{START_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}"
+            ) from None
+        except RayActorError:
             self.__exit__(None, None, None)
             raise
+        self.pids = {
+            f"trainer_rank{r}": pid
+            for r, pid in enumerate(ray.get([w.pid.remote() for w in self.workers], timeout=60))
+        }
         return self
 
-    def call(self, method: str, *args: Any) -> Any:
-        results = ray.get([getattr(w, method).remote(*args) for w in self.workers])
+    async def _all(self, method: str, *args: Any) -> Any:
+        results = await asyncio.gather(*(getattr(w, method).remote(*args) for w in self.workers))
         return results[0]
+
+    async def connect(self, urls: list[str], backend: str) -> None:
+        """``PolicyWorker.connect``: once, after the rollout servers are up."""
+        await self._all("connect", urls, backend)
+
+    async def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """``PolicyWorker.train_step``: one optimizer round over the step's samples."""
+        return await self._all("train_step", samples)
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        """``PolicyWorker.sync_weights``: push ``version`` to every server and verify it."""
+        return await self._all("sync_weights", version)
+
+    async def save(self, out_dir: Path) -> None:
+        """``PolicyWorker.save_state``: the HF export and the full training state in ``out_dir``."""
+        await self._all("save_state", str(out_dir))
+
+    async def load(self, ckpt_dir: Path) -> None:
+        """``PolicyWorker.load_state``: continue from a checkpoint ``save`` wrote."""
+        await self._all("load_state", str(ckpt_dir))
 
     def __exit__(self, *exc: object) -> None:
         for w in self.workers:

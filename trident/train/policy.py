@@ -74,9 +74,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -88,9 +89,15 @@ from trident.sample import Sample
 from trident.train import fsdp
 from trident.train.batch import Batch, collate, micro_batches
 from trident.train.critic import ValueModel, token_values
+from trident.weights.tensors import full_tensor
+
+if TYPE_CHECKING:
+    from trident.weights.sync import Backend, WeightSync
 
 
-def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False):
+def token_logprobs(
+    model: torch.nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs [B, T-1] of ``batch.input_ids[:, 1:]`` (and entropies if asked)."""
     logits = (
         model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
@@ -115,11 +122,13 @@ class PolicyWorker:
         fsdp.init_distributed(rank, world_size, master_addr, master_port)
         fsdp.set_cpu_threads(cfg.trainer.cpu_threads)
         torch.manual_seed(cfg.run.seed)
+        if cfg.run.deterministic:
+            torch.use_deterministic_algorithms(True)
         self.cfg, self.rank, self.world = cfg, rank, world_size
         a, tc = cfg.algo, cfg.trainer
         self.device = fsdp.device()
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.model = fsdp.shard(load_causal_lm(cfg.model.path, cfg.model.dtype).to(self.device))
+        self.model = fsdp.shard(load_causal_lm(cfg.model.path, cfg.model.dtype, self.device))
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self.ref = self._frozen(cfg.model.ref_path or cfg.model.path) if a.kl_coef > 0 else None
         self.kl_ctl = (
@@ -143,11 +152,11 @@ class PolicyWorker:
             alg.new_baseline_state(a.baseline_decay) if a.advantage == "running_baseline" else None
         )
         self._prompt_ids: dict[str, int] = {}  # prompt key -> stable int id (running_baseline)
-        self.sync = None
+        self.sync: WeightSync | None = None
         self.probe: list[int] = []
 
     def _frozen(self, path: str) -> torch.nn.Module:
-        model = load_causal_lm(path, self.cfg.model.dtype).to(self.device).eval()
+        model = load_causal_lm(path, self.cfg.model.dtype, self.device).eval()
         model.requires_grad_(False)
         return model
 
@@ -315,6 +324,7 @@ class PolicyWorker:
         while len(out) < int(count) and any(g is not None and len(g) > 1 for g in out):
             largest = max(range(len(out)), key=lambda i: len(out[i] or []))
             g = out.pop(largest)
+            assert g is not None  # the largest has more than one sample
             out += [g[: len(g) // 2], g[len(g) // 2 :]]
         return out + [None] * (int(count) - len(out))
 
@@ -378,21 +388,32 @@ class PolicyWorker:
             dist.all_reduce(grid)
         return {name: grid[k].cpu() for k, name in enumerate(names)}
 
-    def _optimizer_step(self, batch, rows, adv, local, returns, sums) -> None:
+    def _optimizer_step(
+        self,
+        batch: Batch,
+        rows: list[int],
+        adv: torch.Tensor,
+        local: dict[str, torch.Tensor],
+        returns: torch.Tensor | None,
+        sums: dict[str, float],
+    ) -> None:
         a, tc = self.cfg.algo, self.cfg.trainer
         temperature = self.cfg.rollout.temperature or 1.0
-        old_logp, ref_logp = local["old"], local.get("ref")
-        kl_in_loss = ref_logp is not None and not a.kl_in_reward
+        old_logp = local["old"]
+        ref_logp = None if a.kl_in_reward else local.get("ref")  # set: a KL term in the loss
         tokens, seqs = alg.loss_denominators(batch.mask[rows])
         counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)  # global denominators: N ranks equal one
         g_tokens, g_seqs = int(counts[0]), int(counts[1])
+        agg = dict(global_tokens=g_tokens, global_seqs=g_seqs)
+        norm_tokens = self.cfg.rollout.max_tokens  # Dr. GRPO's L, the same for every loss term
         lengths = batch.attention_mask[rows].sum(1).tolist()
         for local_idx in self._micro_batches(lengths):
             dummy = local_idx is None  # zero-weight pass that keeps the FSDP collectives in step
             idx = [0] if dummy else [rows[i] for i in local_idx]
             mb = _select(batch, idx)
             logp, entropy = token_logprobs(self.model, mb, temperature, with_entropy=True)
+            assert entropy is not None  # asked for with_entropy
             mask, w = mb.mask * (0.0 if dummy else 1.0), mb.mask.shape[1]
             old, advantages = old_logp[idx, :w], adv[idx, :w]
             is_w, mis = None, {}
@@ -406,22 +427,24 @@ class PolicyWorker:
                     cap=a.is_cap,
                     lower=a.is_lower,
                 )
-            agg = dict(aggregation=a.aggregation, global_tokens=g_tokens, global_seqs=g_seqs)
             loss, m = alg.policy_loss(
                 a.policy_loss, logp, old, advantages, mask,
                 clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, dual_clip_c=a.dual_clip_c,
-                is_weights=is_w, loss_scale_tokens=self.cfg.rollout.max_tokens, **agg,
+                is_weights=is_w, aggregation=a.aggregation, loss_scale_tokens=norm_tokens, **agg,
             )  # fmt: skip
             if a.entropy_coef > 0:
-                loss = loss - a.entropy_coef * alg.entropy_bonus(entropy, mask, **agg)
-            if kl_in_loss:
-                kl = alg.kl_estimate(logp, ref_logp[idx, :w], a.kl_estimator)
-                loss = loss + self.kl_coef * alg.aggregate(
-                    kl, mask, a.aggregation, global_tokens=g_tokens, global_seqs=g_seqs
+                bonus = alg.entropy_bonus(
+                    entropy, mask, a.aggregation, norm_tokens=norm_tokens, **agg
                 )
+                loss = loss - a.entropy_coef * bonus
+            if ref_logp is not None:
+                kl = alg.kl_estimate(logp, ref_logp[idx, :w], a.kl_estimator)
+                kl_term = alg.aggregate(kl, mask, a.aggregation, norm_tokens=norm_tokens, **agg)
+                loss = loss + self.kl_coef * kl_term
                 sums["kl_ref"] += float((kl.detach() * mask).sum())
             (loss * self.world).backward()  # FSDP averages gradients over ranks; losses are sums
             if self.critic is not None:
+                assert returns is not None  # the critic's targets come with it
                 values = token_values(self.critic, mb)
                 vloss, vm = alg.value_loss(
                     values,
@@ -458,13 +481,15 @@ class PolicyWorker:
         t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         maxima = [k for k in keys if k.endswith("_max")]
         dist.all_reduce(t)
+        maximum_values: list[float] = []
         if maxima:
             mx = torch.tensor([sums[k] for k in maxima], dtype=torch.float64, device=self.device)
             dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            maximum_values = mx.tolist()
         total = dict(zip(keys, t.tolist(), strict=True))
         tokens = max(total.pop("tokens", 0.0), 1.0)
         steps = total.pop("optimizer_steps") / self.world
-        out: dict[str, float] = {"lr": self.sched.get_last_lr()[0]}
+        out: dict[str, float] = {"lr": float(self.sched.get_last_lr()[0])}
         for key in ("loss", "value_loss"):  # each rank's share of the batch loss: sum, per step
             if key in total:
                 out[key] = total.pop(key) / steps
@@ -473,13 +498,12 @@ class PolicyWorker:
                 out[key] = total.pop(key) / (steps * self.world)
         for k, v in total.items():
             out[k] = v / tokens
-        for k, v in zip(maxima, mx.tolist() if maxima else [], strict=True):
-            out[k] = v
+        out.update(zip(maxima, maximum_values, strict=True))
         return out
 
     # -- weight sync ---------------------------------------------------------------------------
 
-    def connect(self, urls: list[str], backend: str) -> None:
+    def connect(self, urls: list[str], backend: Backend) -> None:
         """Called once, after the rollout servers are up."""
         from trident.weights.sync import WeightSync, make_probe
 
@@ -496,20 +520,57 @@ class PolicyWorker:
         expected = probe_logprobs(self.model, self.probe) if self.cfg.sync.verify else None
         metrics: dict[str, float] = {}
         if self.rank == 0:
+            assert self.sync is not None  # connect() made it on rank 0
             metrics = self.sync.push(hf_named_tensors(state, self.tied), version)
             if expected is not None:
                 metrics |= self.sync.verify(self.probe, expected, version, self.cfg.sync.tolerance)
         dist.barrier()
         return metrics
 
-    def probe_logprobs(self) -> list[float]:
-        from trident.weights.sync import probe_logprobs
-
-        return probe_logprobs(self.model, self.probe)
+    def pid(self) -> int:
+        return os.getpid()
 
     def save_hf(self, out_dir: str) -> str:
         fsdp.save_hf(self.model, self.tokenizer, out_dir)
         return str(Path(out_dir))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _stateful(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        parts: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {
+            "policy": (self.model, self.opt)
+        }
+        if self.critic is not None:
+            parts["critic"] = (self.critic, self.critic_opt)
+        return parts
+
+    def save_state(self, out_dir: str) -> str:
+        """The HF export in ``out_dir`` and everything training needs to continue exactly in
+        ``out_dir/trainer``: policy and critic weights and optimizer moments (sharded, DCP), LR
+        schedules, the adaptive-KL coefficient, running baselines, the RNG (collective)."""
+        fsdp.save_hf(self.model, self.tokenizer, out_dir)
+        extra = {
+            "sched": self.sched.state_dict(),
+            "critic_sched": self.critic_sched.state_dict() if self.critic is not None else None,
+            "kl_ctl": dict(vars(self.kl_ctl)) if self.kl_ctl is not None else None,
+            "baseline_state": self.baseline_state,
+            "prompt_ids": self._prompt_ids,
+            "torch_rng": torch.get_rng_state(),
+        }
+        fsdp.save_training_state(Path(out_dir) / "trainer", self._stateful(), extra)
+        return str(Path(out_dir))
+
+    def load_state(self, ckpt_dir: str) -> None:
+        """Continue from what ``save_state`` wrote (collective)."""
+        extra = fsdp.load_training_state(Path(ckpt_dir) / "trainer", self._stateful())
+        self.sched.load_state_dict(extra["sched"])
+        if self.critic is not None and extra["critic_sched"] is not None:
+            self.critic_sched.load_state_dict(extra["critic_sched"])
+        if self.kl_ctl is not None and extra["kl_ctl"] is not None:
+            vars(self.kl_ctl).update(extra["kl_ctl"])
+        self.baseline_state = extra["baseline_state"]
+        self._prompt_ids = extra["prompt_ids"]
+        torch.set_rng_state(extra["torch_rng"])
 
     def shutdown(self) -> None:
         if self.sync is not None:
@@ -520,7 +581,7 @@ class PolicyWorker:
 
 def _clip_and_step(model: torch.nn.Module, opt: torch.optim.Optimizer, max_norm: float) -> float:
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    grad_norm = full_tensor(grad_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return float(grad_norm)
@@ -564,9 +625,3 @@ def _scatter(parts: list[tuple[list[int], torch.Tensor]], like: torch.Tensor) ->
     for idx, values in parts:
         out[idx, : values.shape[1]] = values
     return out
-
-
-def make_worker_actor(resources: dict[str, Any]):
-    import ray
-
-    return ray.remote(**resources)(PolicyWorker)

@@ -17,6 +17,7 @@ import os
 import random
 import time
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -27,12 +28,13 @@ from trident.data.loaders import DataError, load_split
 from trident.data.tasks import get_task
 from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, prompt_messages
 from trident.train import fsdp
+from trident.weights.tensors import full_tensor
 
 Example = tuple[list[int], list[int]]  # token ids, loss mask
 
 
 def encode_example(
-    tokenizer, row: dict, task_name: str = "", answer_formats: list[str] = ()
+    tokenizer, row: dict, task_name: str = "", answer_formats: Sequence[str] = ()
 ) -> Example:
     """Token ids and loss mask of one SFT row (see the module docstring for the row shapes)."""
     if "messages" in row:
@@ -101,7 +103,7 @@ def _sft_rank(
     fsdp.set_cpu_threads(cfg.trainer.cpu_threads)
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
-    model = fsdp.shard(load_causal_lm(cfg.model.path, cfg.model.dtype).to(fsdp.device()))
+    model = fsdp.shard(load_causal_lm(cfg.model.path, cfg.model.dtype, fsdp.device()))
     model.train()
     sc = cfg.sft
     opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=sc.weight_decay)
@@ -130,9 +132,7 @@ def _sft_rank(
             record = {
                 "step": step,
                 "loss": loss.item(),
-                "grad_norm": float(
-                    grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                ),
+                "grad_norm": float(full_tensor(grad_norm)),
                 "lr": sched.get_last_lr()[0],
                 "time_s": round(time.time() - t0, 2),
             }
@@ -168,7 +168,9 @@ def _progress(enabled: bool, total: int):
 
 def run_sft(cfg: TridentConfig) -> Path:
     """Fine-tune ``cfg.model.path`` on ``cfg.data``; returns the checkpoint directory."""
-    from trident.rollout.vllm_server import free_port
+    from torch.multiprocessing.spawn import spawn
+
+    from trident.cluster.net import free_port
 
     # Data problems surface here, before any process group or model exists.
     tokenizer = load_tokenizer(cfg.model.path)
@@ -181,5 +183,5 @@ def run_sft(cfg: TridentConfig) -> Path:
     if cfg.sft.num_ranks == 1:
         _sft_rank(0, *args)
     else:
-        torch.multiprocessing.spawn(_sft_rank, args=args, nprocs=cfg.sft.num_ranks)
+        spawn(_sft_rank, args=args, nprocs=cfg.sft.num_ranks)
     return Path(out_dir)

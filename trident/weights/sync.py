@@ -58,6 +58,7 @@ import httpx
 import torch
 
 from trident.rollout.engine import VLLMClient
+from trident.weights.tensors import full_tensor
 from trident.weights.vllm_plugin import checksum
 
 Backend = Literal["shm", "nccl", "ipc"]
@@ -157,9 +158,7 @@ def write_bucket(bucket: list[tuple[str, torch.Tensor]], path: str | Path) -> Bu
 
 
 def _full_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    full = getattr(tensor, "full_tensor", None)  # an FSDP2 DTensor shard: gather it
-    t = full() if callable(full) else tensor
-    return t.detach().to("cpu").contiguous()
+    return full_tensor(tensor).to("cpu").contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +270,7 @@ class WeightSync:
         return metrics
 
     async def _push_shm(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
-        m = dict.fromkeys(
+        m: dict[str, float] = dict.fromkeys(
             ("pause_s", "start_s", "write_s", "update_s", "finish_s", "resume_s"), 0.0
         )
         m.update(bytes=0.0, num_buckets=0.0, num_tensors=0.0)
@@ -413,7 +412,7 @@ class WeightSync:
     def _init_gpu(self) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from trident.rollout.vllm_server import free_port
+        from trident.cluster.net import free_port
 
         for url in self.urls:
             client = _HTTPControlPlane(url, self.timeout_s)
@@ -443,9 +442,9 @@ class WeightSync:
     def _push_gpu(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
         if not self._gpu:
             raise WeightSyncError(f"backend {self.backend!r}: call init() before push()")
-        m = dict.fromkeys(("pause_s", "update_s", "resume_s"), 0.0)
+        m: dict[str, float] = dict.fromkeys(("pause_s", "update_s", "resume_s"), 0.0)
         t_start = time.perf_counter()
-        pairs = [(name, _full(t)) for name, t in named_tensors]
+        pairs = [(name, full_tensor(t)) for name, t in named_tensors]
         m["bytes"] = float(sum(t.numel() * t.element_size() for _, t in pairs))
         m["num_tensors"] = float(len(pairs))
         source = _tensor_source(pairs)
@@ -554,11 +553,6 @@ class _timed:
 
     def __exit__(self, *exc: object) -> None:
         self.metrics[self.key] += time.perf_counter() - self.t0
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    full = getattr(tensor, "full_tensor", None)
-    return (full() if callable(full) else tensor).detach()
 
 
 class _HTTPControlPlane:

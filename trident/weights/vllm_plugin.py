@@ -43,7 +43,7 @@ import contextlib
 import logging
 import mmap
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 BACKEND = "trident_shm"
 CHECKSUM_ALGORITHM = "xxh3_128"
@@ -225,7 +225,8 @@ def _build_engine_class() -> type:
             initialize_layerwise_reload(self.model)
             try:
                 with disable_mtp_completeness_check():
-                    self.model.load_weights(staged)
+                    # declared an nn.Module; every vLLM model class defines load_weights
+                    cast(Any, self.model).load_weights(staged)
             finally:
                 # Also on failure: layers that did not receive all their weights get their
                 # previous tensors back instead of staying on the meta device.

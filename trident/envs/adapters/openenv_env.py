@@ -36,17 +36,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import typing
 from collections.abc import Callable
 from typing import Any
 
-from trident.agent.parsers import AssistantTurn
-from trident.agent.tools import Tool, ToolError, ToolInfraError, ToolResult, ToolSet
 from trident.envs import Message, StepResult
 from trident.envs.adapters import require
+from trident.registry import load_entry_point
 from trident.sandbox import InfraError
+from trident.tools.parsers import AssistantTurn
+from trident.tools.toolset import Tool, ToolError, ToolInfraError, ToolResult, ToolSet
 
 Outcome = dict[str, Any]  # {"observation": {...}, "reward": float | None, "done": bool}
 _NOT_SHOWN = {"metadata", "reward", "done"}  # observation fields that are not for the model
@@ -55,10 +55,7 @@ _NOT_SHOWN = {"metadata", "reward", "done"}  # observation fields that are not f
 def _load(entry: str | Any) -> Any:
     if not isinstance(entry, str):
         return entry
-    module, _, attr = entry.partition(":")
-    if not attr:
-        raise ValueError(f"{entry!r} is not of the form module:attribute")
-    return getattr(importlib.import_module(module), attr)
+    return load_entry_point(entry)
 
 
 def make_rows(
@@ -189,9 +186,9 @@ class OpenEnvEnv:
 
     async def reset(self, row: dict[str, Any]) -> list[Message]:
         self._session = (
-            _RemoteSession(self.url, self.timeout_s)
-            if self.url
-            else _LocalSession(self.env, self.action)
+            _LocalSession(self.env, self.action)
+            if self.env is not None
+            else _RemoteSession(self.url, self.timeout_s)
         )
         kwargs = {**self.reset_kwargs, **row.get("reset_kwargs", {})}
         first = await self._call(self._session.reset(**kwargs))

@@ -47,11 +47,12 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from trident.agent.parsers import AssistantTurn, ToolCall
-from trident.agent.tools import ToolResult, ToolSet
 from trident.envs import Message, StepResult
 from trident.envs.adapters import require
+from trident.registry import load_entry_point
 from trident.sandbox import InfraError
+from trident.tools.parsers import AssistantTurn, ToolCall
+from trident.tools.toolset import ToolResult, ToolSet
 
 _LOADED: dict[str, Any] = {}
 
@@ -76,9 +77,7 @@ def load_environment(env: Any, env_args: dict[str, Any] | None = None) -> Any:
     if key not in _LOADED:
         vf = _verifiers()
         if ":" in env:
-            module, attr = env.split(":", 1)
-            factory = getattr(importlib.import_module(module), attr)
-            _LOADED[key] = factory(**(env_args or {}))
+            _LOADED[key] = load_entry_point(env)(**(env_args or {}))
         else:
             _LOADED[key] = vf.load_environment(env, **(env_args or {}))
     return _LOADED[key]
@@ -293,8 +292,9 @@ def _client_class() -> type:
     global _CLIENT
     if _CLIENT is not None:
         return _CLIENT
-    from verifiers.clients import Client
-
+    # verifiers 0.3 serves its v0 modules at these names through an import alias, which a
+    # type checker cannot follow: import them by name
+    Client = importlib.import_module("verifiers.clients").Client
     vf_types = importlib.import_module("verifiers.types")
 
     class TridentClient(Client):

@@ -1,0 +1,50 @@
+"""Addresses and ports: which address a process on this node is reached at, and free ports.
+
+On one machine every role talks over loopback; on a Ray cluster of several nodes, each actor
+advertises the address of the node it runs on.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import ray
+
+
+class PortInUseError(RuntimeError):
+    """A configured port is taken on this host."""
+
+
+def free_port() -> int:
+    """A port that is free on this host now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Raise ``PortInUseError`` if ``port`` cannot be bound on ``host``."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise PortInUseError(
+                f"port {port} on {host} is in use: pick another or use port 0 (any free port)"
+            ) from None
+
+
+def single_node() -> bool:
+    """True when the Ray cluster has one live node (or Ray is not running)."""
+    if not ray.is_initialized():
+        return True
+    return len([n for n in ray.nodes() if n.get("Alive")]) <= 1
+
+
+def node_ip() -> str:
+    """The address other processes reach this one at: loopback on a single node, else the
+    node's IP as Ray sees it."""
+    if not ray.is_initialized():
+        return "127.0.0.1"
+    ip = ray.util.get_node_ip_address()
+    return "127.0.0.1" if ip in ("127.0.0.1", "localhost") or single_node() else ip

@@ -1,0 +1,112 @@
+"""The weight version the servers serve, and the door every generation request goes through.
+
+A weight update, in every mode (``WeightGate.update``):
+
+1. close the gate: new requests (fresh or resumed) wait;
+2. abort every in-flight request (``/abort_requests``) and wait until each has come back with its
+   partial output; the abort is repeated until nothing of ours is in flight, because a request
+   still on its way into the engine misses an abort;
+3. push and verify the new weights (``PolicyWorker.sync_weights``);
+4. reset every server's prefix cache (``/reset_prefix_cache``), so no request reuses KV blocks
+   computed by the old weights (a prompt seen again in a later epoch would otherwise be served
+   from the old policy's cache);
+5. bump the served version and open the gate.
+
+In ``sync`` and ``colocate_async`` nothing is in flight when a step installs its weights, so
+steps 1-2 cost nothing; in ``separate_async`` they are what makes partial rollout exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from trident.rollout.engine import Completion, EngineError, SamplingParams
+
+
+class Server(Protocol):
+    """One rollout server as the drivers use it (``trident.rollout.engine.VLLMClient``)."""
+
+    url: str
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None
+    ) -> list[Completion]:
+        """Called for every request (a whole group, or one sample's segment)."""
+        ...
+
+
+class ServerPool(Protocol):
+    """The rollout servers as the drivers use them (``trident.rollout.router.Router``)."""
+
+    @property
+    def urls(self) -> list[str]: ...
+
+    def pick(self, session_id: str | None = None) -> Server:
+        """Called for each request: the least-loaded server (sticky per session)."""
+        ...
+
+    async def abort(self) -> int:
+        """Called by a weight update: abort every in-flight request on every server."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Called by a weight update once nothing is in flight."""
+        ...
+
+
+class WeightGate:
+    """See the module docstring for the update protocol."""
+
+    def __init__(self, servers: ServerPool, version: int = 0) -> None:
+        self.servers, self.version = servers, version
+        self.inflight = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._drained = asyncio.Event()
+        self._drained.set()
+
+    async def enter(self) -> int:
+        """Called before each request segment; returns the version that will serve it."""
+        while not self._open.is_set():
+            await self._open.wait()
+        self.inflight += 1
+        self._drained.clear()
+        return self.version
+
+    def leave(self) -> None:
+        """Called when a request segment has returned (finished or aborted)."""
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._drained.set()
+
+    async def close_and_drain(self) -> int:
+        """Stop new segments, abort the running ones and wait until all are back."""
+        self._open.clear()
+        aborted = 0
+        while self.inflight:
+            aborted += await self.servers.abort()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), timeout=0.05)
+        return aborted
+
+    def reopen(self) -> None:
+        """Let requests through again after ``close_and_drain`` (e.g. once a checkpoint is
+        written)."""
+        self._open.set()
+
+    async def update(
+        self, version: int, push: Callable[[], Awaitable[dict[str, float]]]
+    ) -> dict[str, float]:
+        """Install ``version`` with ``push()`` while nothing generates; reopen afterwards."""
+        try:
+            aborted = await self.close_and_drain()
+            metrics = await push()
+            if not await self.servers.reset_prefix_cache():
+                raise EngineError("a server refused /reset_prefix_cache with nothing in flight")
+            self.version = version
+        finally:
+            self._open.set()
+        return {**metrics, "aborted_requests": float(aborted)}

@@ -1,0 +1,119 @@
+"""The rollout servers as Ray actors: ``RolloutFleet`` starts ``rollout.num_servers`` vLLM
+servers inside ``RolloutServerActor``s (so they land on whichever node has room), hands out a
+``Router`` over them, and stops them on exit, exception or Ctrl-C."""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayTaskError
+
+from trident.cluster.net import check_port_free, node_ip, single_node
+from trident.cluster.ray_cluster import role_resources
+from trident.config import TridentConfig
+from trident.rollout.engine import VLLMClient
+from trident.rollout.router import Router
+from trident.rollout.vllm_server import ServerStartError
+
+
+@ray.remote
+class RolloutServerActor:
+    """Hosts one VLLMServer process on the node Ray placed this actor on."""
+
+    def __init__(self, model_path: str, log_path: str, options: dict[str, Any]) -> None:
+        from trident.rollout.vllm_server import VLLMServer
+
+        self.server = VLLMServer(model_path, log_path, host=node_ip(), **options)
+
+    def start(self, timeout_s: float) -> str:
+        return self.server.start(timeout_s)
+
+    def healthy(self) -> bool:
+        return self.server.healthy()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def pid(self) -> int:
+        """The vLLM API server's process id (for stack dumps)."""
+        return self.server.proc.pid if self.server.proc is not None else -1
+
+
+class RolloutFleet(AbstractContextManager):
+    """Starts ``rollout.num_servers`` vLLM servers; ``.router`` talks to them; stops them on exit."""
+
+    def __init__(
+        self,
+        cfg: TridentConfig,
+        model_path: str,
+        run_dir: str | Path,
+        weight_transfer: str | None = None,
+    ) -> None:
+        self.cfg, self.model_path = cfg, model_path
+        self.log_dir = Path(run_dir) / "logs"
+        self.weight_transfer = weight_transfer
+        self.actors: list[Any] = []
+        self._router: Router | None = None
+
+    def __enter__(self) -> RolloutFleet:
+        rc = self.cfg.rollout
+        options = dict(
+            dtype=self.cfg.model.dtype,
+            max_model_len=rc.max_model_len,
+            kv_cache_gib=rc.kv_cache_gib,
+            gpu_memory_utilization=rc.gpu_memory_utilization,
+            weight_transfer_backend=self.weight_transfer,
+            extra_args=list(rc.extra_server_args),
+            seed=self.cfg.run.seed,
+        )
+        res = role_resources()
+        ports = [rc.base_port + i if rc.base_port else 0 for i in range(rc.num_servers)]
+        if single_node():  # fail before any actor starts; on a cluster the actor's node checks
+            for port in filter(None, ports):
+                check_port_free(port)
+        for i, port in enumerate(ports):
+            log = str((self.log_dir / f"vllm_server_{i}.log").resolve())
+            actor = RolloutServerActor.options(**res).remote(
+                self.model_path, log, {**options, "port": port}
+            )
+            self.actors.append(actor)
+        try:
+            # bounded even when an actor cannot be placed (its own start has the same timeout)
+            starts = [a.start.remote(rc.startup_timeout_s) for a in self.actors]
+            urls = ray.get(starts, timeout=rc.startup_timeout_s + 60)
+        except RayTaskError as e:
+            self.__exit__(None, None, None)
+            raise e.as_instanceof_cause() from None
+        except GetTimeoutError:
+            self.__exit__(None, None, None)
+            raise ServerStartError(
+                f"{rc.num_servers} rollout server(s) asking for {res} each were not up within "
+                f"{rc.startup_timeout_s + 60:.0f} s; cluster resources: {ray.cluster_resources()}"
+            ) from None
+        self._router = Router([VLLMClient(u, timeout_s=rc.request_timeout_s) for u in urls])
+        return self
+
+    def pids(self) -> dict[str, int]:
+        """Each server's process id, by log name (read once, while the servers answer)."""
+        pids = ray.get([a.pid.remote() for a in self.actors], timeout=30)
+        return {f"vllm_server_{i}": pid for i, pid in enumerate(pids)}
+
+    @property
+    def router(self) -> Router:
+        """The ``Router`` over the started servers (inside the ``with`` block only)."""
+        if self._router is None:
+            raise RuntimeError("the rollout fleet is not started (use it as a context manager)")
+        return self._router
+
+    def __exit__(self, *exc: object) -> None:
+        self._router = None  # its HTTP clients belong to the event loops that used them
+        for a in self.actors:
+            # The actor may already be dead; killing it kills its server too (PR_SET_PDEATHSIG).
+            with contextlib.suppress(Exception):
+                ray.get(a.stop.remote(), timeout=30)
+            ray.kill(a)
+        self.actors = []
