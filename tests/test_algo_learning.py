@@ -332,6 +332,10 @@ def test_two_ranks_compute_what_one_rank_computes(tmp_path, make_worker, tiny_mo
         for key in ("loss", "value_loss", "grad_norm", "critic_grad_norm", "kl_ref",
                     "distill_kl", "explained_variance", "value_mean", "entropy"):  # fmt: skip
             assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+        # each sample's [advantage, mismatch] for the lineage: the ranks' rows summed back
+        flat = [[v for row in m["per_sample"] for v in row] for m in (one, two)]
+        assert len(flat[0]) == 2 * len(samples)
+        assert flat[1] == pytest.approx(flat[0], rel=1e-4, abs=1e-6)
 
 
 # -- learning ----------------------------------------------------------------------------------

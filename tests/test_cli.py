@@ -60,3 +60,12 @@ def test_model_init_command(tmp_path):
     assert (tmp_path / "m" / "config.json").is_file() and (
         tmp_path / "m" / "tokenizer.json"
     ).is_file()
+
+
+def test_a_run_that_does_not_fit_the_cluster_fails_in_seconds(tiny_model, tmp_path):
+    # 200 servers each asking for half a CPU of a local Ray instance that has a few
+    r = run_cli(
+        "train", f"model.path={tiny_model}", f"run.dir={tmp_path}", "rollout.num_servers=200",
+        "cluster.num_cpus=4", "telemetry.progress=false", timeout=120,
+    )  # fmt: skip
+    _one_line_error(r, "does not fit", "200 rollout servers", "CPU needed", "4 in the cluster")

@@ -187,3 +187,29 @@ def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
     )
     assert (hang / "vllm_server_0.txt").exists()
     assert wait_gone(tag) == set()
+
+
+def test_a_dead_trainer_rank_stops_the_run_naming_it_and_the_checkpoint(tiny_model, tmp_path):
+    tag = uuid.uuid4().hex
+    cmd = _train_cmd(tiny_model, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=1")
+    proc = subprocess.Popen(
+        cmd, env=tagged_env(tag), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO,
+    )  # fmt: skip
+    manifest = tmp_path / "r" / "checkpoints" / "step_1" / "manifest.json"
+    try:
+        deadline = time.monotonic() + 400
+        while not manifest.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        (rank,) = [p for p in tagged_processes(tag) if "ray::PolicyWorker" in _cmdline(p)]
+        os.kill(rank, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert "trainer rank 0 died during" in last and f"(pid {rank})" in last, last
+    assert "resume from " in last and "/checkpoints/step_" in last and "--resume" in last, last
+    assert wait_gone(tag, timeout=180) == set()

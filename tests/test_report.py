@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from trident.telemetry.lineage import read_samples
+from trident.telemetry.metrics import read_metrics
 from trident.telemetry.report import PLOTS, write_report
 from trident.telemetry.trace import Trace
 
@@ -193,3 +195,24 @@ def test_report_of_an_async_run(tmp_path):
     report = write_report(run)
     assert {"staleness", "idle", "ledger", "timeline", "reward", "eval"} <= set(report.images)
     assert "finished: 5 steps" in report.html.read_text()
+
+
+def test_inspect_tells_the_story_of_a_real_runs_sample(short_run):
+    """Every trained sample of the real run is in its lineage, and its story agrees with the
+    run's own metrics: the step, the weight version it produced, the reward."""
+    metrics = {m["step"]: m for m in read_metrics(short_run)}
+    rows = [r for r in read_samples(short_run) if r["trained"]]
+    for step, m in metrics.items():
+        trained = [r for r in rows if r["trained_step"] == step]
+        assert len(trained) == m["trained_samples"]
+        assert {r["version"] for r in trained} == {m["version"]}
+        assert sum(r["reward"] for r in trained) / len(trained) == pytest.approx(m["reward_mean"])
+        assert all(r["advantage"] is not None and r["mismatch"] is not None for r in trained)
+    row = rows[len(rows) // 2]
+    r = run_cli("inspect", str(short_run), "--sample", row["sample_id"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    step, version = row["trained_step"], row["version"]
+    assert f"sample {row['sample_id']}" in r.stdout
+    assert f"trained at step {step} -> produced weights version {version}" in r.stdout
+    assert f"reward: {row['reward']:.4g}" in r.stdout
+    assert row["reward_parts"] and "task" in dict(row["reward_parts"])  # each function's part

@@ -68,7 +68,8 @@ def _kill_when(cmd: list[str], tag: str, ready) -> None:
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    assert wait_gone(tag) == set()  # Ray's reaper and the servers' death signal clean up
+    # Ray's reaper, and the servers' death signals (every vLLM process), clean up
+    assert wait_gone(tag, timeout=180) == set()
 
 
 def _story(run_dir: Path) -> list[tuple[int, str, bool, int, float | None]]:
@@ -131,7 +132,7 @@ def test_separate_async_resume_loses_and_repeats_no_sample(demo_sft_model, tmp_p
 
 def test_a_checkpoint_killed_halfway_is_never_picked(tiny_model, tmp_path):
     tag = uuid.uuid4().hex
-    cmd = _cmd(tiny_model, tmp_path, "r", "sync", "checkpoint.every=1")
+    cmd = _cmd(tiny_model, tmp_path, "r", "sync", "checkpoint.every=1", "pipeline.steps=3")
     ckpts = tmp_path / "r" / "checkpoints"
     # kill while step 2's checkpoint is being written: its temporary directory exists
     _kill_when(cmd, tag, lambda: (ckpts / "step_1" / "manifest.json").exists()
@@ -143,6 +144,6 @@ def test_a_checkpoint_killed_halfway_is_never_picked(tiny_model, tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = read_metrics(tmp_path / "r")
-    assert [m["step"] for m in metrics] == list(range(2 * N))
-    assert json.loads((ckpts / "final" / "manifest.json").read_text())["step"] == 2 * N
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert json.loads((ckpts / "final" / "manifest.json").read_text())["step"] == 3
     assert not (ckpts / ".tmp-step_2").exists()

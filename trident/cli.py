@@ -225,13 +225,14 @@ def _plugins() -> list[Callable]:
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
     from trident.cluster.net import PortInUseError
+    from trident.cluster.ray_cluster import PlacementError
     from trident.data.loaders import DataError
     from trident.models.load import ModelPathError
     from trident.pipeline.harness import LedgerError
     from trident.pipeline.watchdog import HangError
     from trident.rollout.engine import EngineError
     from trident.rollout.vllm_server import ServerStartError
-    from trident.train.group import TrainerStartError
+    from trident.train.group import TrainerRankError, TrainerStartError
     from trident.weights.sync import WeightSyncError
 
     return (
@@ -240,7 +241,9 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
         ModelPathError,
         ServerStartError,
         PortInUseError,
+        PlacementError,
         TrainerStartError,
+        TrainerRankError,
         HangError,
         LedgerError,
         EngineError,

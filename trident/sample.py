@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 Status = Literal["ok", "truncated", "aborted", "tool_error", "timeout", "infra_error"]
 
+
 @dataclass
 class Sample:
     id: str

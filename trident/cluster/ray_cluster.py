@@ -39,3 +39,28 @@ def role_resources() -> dict[str, Any]:
     if ray.cluster_resources().get("GPU", 0) > 0:
         return {"num_gpus": 1, "num_cpus": 1}
     return {"num_cpus": 0.5}
+
+
+class PlacementError(RuntimeError):
+    """The roles a run asks for do not fit the cluster's resources."""
+
+
+def check_fits(roles: dict[str, int]) -> None:
+    """Fail in seconds, before anything starts, when ``roles`` (role name -> how many actors,
+    each taking ``role_resources()``) cannot all be placed on the cluster at once."""
+    have = ray.cluster_resources()
+    each = role_resources()
+    need = {
+        {"num_gpus": "GPU", "num_cpus": "CPU"}.get(k, k): v * sum(roles.values())
+        for k, v in each.items()
+    }
+    short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if v > have.get(k, 0.0) + 1e-9}
+    if short:
+        asked = " + ".join(f"{n} {role}" for role, n in roles.items())
+        missing = ", ".join(
+            f"{v:g} {k} needed, {h:g} in the cluster" for k, (v, h) in short.items()
+        )
+        raise PlacementError(
+            f"the run does not fit: {asked}, each {each}: {missing} "
+            "(lower rollout.num_servers / trainer.num_ranks, or add nodes)"
+        )

@@ -357,6 +357,24 @@ class SyncConfig(Section):
         gt=0,
         description="Max |Δlogp| on the probe after a sync (float32; raise for bf16, e.g. 0.05).",
     )
+    bucket_bytes: int = Field(
+        default=256 << 20,
+        ge=1 << 16,
+        description="Bytes per bucket: each is gathered from the FSDP shards just before it is sent (shm).",
+    )
+    delta: bool = Field(
+        default=False,
+        description="Send only the changed bits (XOR, zstd) against what the servers hold; each server then keeps one CPU copy of the weights (shm).",
+    )
+    full_every: int = Field(
+        default=10,
+        ge=1,
+        description="With sync.delta, every N-th sync is a full one (bounds drift; 1 = always full).",
+    )
+    on_base_mismatch: Literal["fail", "full"] = Field(
+        default="fail",
+        description="A server refuses a delta for a base it does not hold: stop the run (fail) or resend in full.",
+    )
 
 
 class CheckpointConfig(Section):

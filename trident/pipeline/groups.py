@@ -110,7 +110,8 @@ async def score(samples: list[Sample], rewards: RewardModel) -> None:
     """Fill ``reward`` (and ``status`` on infrastructure failure) for each sample, concurrently."""
 
     async def one(s: Sample) -> None:
-        reward, status = await rewards.score(s.metadata["response"], s.metadata["row"])
+        reward, status, parts = await rewards.score_parts(s.metadata["response"], s.metadata["row"])
+        s.metrics |= {f"reward/{name}": value for name, value in parts.items()}
         s.reward = reward if reward is not None else 0.0
         if status == "infra_error":
             s.status, s.reward = "infra_error", None

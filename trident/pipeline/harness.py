@@ -162,8 +162,9 @@ class RunHarness:
         servers served before) and evaluate the starting policy (the original eval on resume)."""
         await self.trainer.connect(self.router.urls, weight_backend(self.cfg.sync))
         if resume_from is not None:
-            await self.trainer.load(resume_from)
-            self.load_state_dict(read_run_state(resume_from))
+            with self.trace.span("load checkpoint", "trainer"):
+                await self.trainer.load(resume_from)
+                self.load_state_dict(read_run_state(resume_from))
         version = self.buffer.version
         await self.gate.update(version, lambda: self.trainer.sync_weights(version))
         before = self.run_dir / "eval_before.json"

@@ -5,21 +5,22 @@ Ctrl-C; the run directory holds the config, metrics, trace, evals and checkpoint
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from trident.cluster.ray_cluster import init_ray
+from trident.cluster.ray_cluster import check_fits, init_ray
 from trident.config import TridentConfig, save_config
 from trident.pipeline import checkpoint, colocate_async, separate_async, sync
 from trident.pipeline.harness import RunHarness, RunTrainer
 from trident.rollout.fleet import RolloutFleet
 from trident.rollout.router import Router
 from trident.telemetry.metrics import MetricsLogger
-from trident.train.group import TrainerGroup
+from trident.train.group import TrainerGroup, TrainerRankError
 from trident.weights.backend import server_backend
 
 DRIVERS: dict[str, Callable[[RunHarness], Awaitable[None]]] = {
@@ -41,8 +42,11 @@ def run_train(cfg: TridentConfig) -> dict[str, Any]:
     )
     started_ray = not ray.is_initialized()
     init_ray(cfg.cluster)
+    roles = {"rollout servers": cfg.rollout.num_servers, "trainer ranks": cfg.trainer.num_ranks}
     try:
+        check_fits(roles)  # in seconds, before anything starts
         with (
+            _resumable(run_dir),
             RolloutFleet(cfg, cfg.model.path, run_dir, server_backend(cfg.sync)) as fleet,
             TrainerGroup(cfg) as trainer,
         ):
@@ -56,6 +60,17 @@ def run_train(cfg: TridentConfig) -> dict[str, Any]:
         if key in results:
             (run_dir / f"eval_{key}.json").write_text(json.dumps(results[key], indent=2) + "\n")
     return results
+
+
+@contextlib.contextmanager
+def _resumable(run_dir: Path) -> Iterator[None]:
+    """A trainer rank's death ends the run with the checkpoint to resume from."""
+    try:
+        yield
+    except TrainerRankError as e:
+        ckpt = checkpoint.newest(run_dir)
+        where = f"resume from {ckpt} with --resume" if ckpt else "no checkpoint to resume from yet"
+        raise TrainerRankError(f"{e}; {where}") from None
 
 
 async def run(

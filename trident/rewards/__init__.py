@@ -147,27 +147,36 @@ async def call_reward(
 
 @dataclass
 class RewardModel:
-    """Weighted sum of reward functions; ``score`` returns (reward, status)."""
+    """Weighted sum of reward functions; ``score`` returns (reward, status), ``score_parts``
+    also each function's own value (unweighted, by name; None = not applicable)."""
 
     fns: list[tuple[RewardFn, float]]
     timeout_s: float = 10.0
+    names: list[str] | None = None  # per function, for ``score_parts`` (default: __name__)
 
     @classmethod
     def from_config(cls, reward_cfg: Any) -> RewardModel:
         if not reward_cfg.fns:
-            return cls([(task_reward, 1.0)], reward_cfg.timeout_s)
-        return cls(
-            [(resolve(f.name, f.kwargs), f.weight) for f in reward_cfg.fns], reward_cfg.timeout_s
-        )
+            return cls([(task_reward, 1.0)], reward_cfg.timeout_s, ["task"])
+        fns = [(resolve(f.name, f.kwargs), f.weight) for f in reward_cfg.fns]
+        return cls(fns, reward_cfg.timeout_s, [f.name for f in reward_cfg.fns])
 
     async def score(self, response: str, row: dict[str, Any]) -> tuple[float | None, str]:
+        reward, status, _ = await self.score_parts(response, row)
+        return reward, status
+
+    async def score_parts(
+        self, response: str, row: dict[str, Any]
+    ) -> tuple[float | None, str, dict[str, float]]:
         try:
             values = await asyncio.gather(
                 *(call_reward(fn, response, row, self.timeout_s) for fn, _ in self.fns)
             )
         except RewardInfraError:
-            return None, "infra_error"
+            return None, "infra_error", {}
+        names = self.names or [getattr(fn, "__name__", str(fn)) for fn, _ in self.fns]
+        parts = {n: float(v) for n, v in zip(names, values, strict=True) if v is not None}
         applicable = [(v, w) for v, (_, w) in zip(values, self.fns, strict=True) if v is not None]
         if not applicable:
-            return None, "ok"
-        return sum(v * w for v, w in applicable), "ok"
+            return None, "ok", parts
+        return sum(v * w for v, w in applicable), "ok", parts

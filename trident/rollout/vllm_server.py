@@ -12,7 +12,6 @@ A server that does not become healthy raises ``ServerStartError`` with the tail 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -24,17 +23,11 @@ from pathlib import Path
 import httpx
 
 from trident.cluster.net import check_port_free, free_port
+from trident.cluster.process import die_with_parent
 
 
 class ServerStartError(RuntimeError):
     """The vLLM server exited or did not become healthy; the message holds its log tail."""
-
-
-def _die_with_parent() -> None:
-    # SIGTERM, not SIGKILL: the API server's own shutdown then stops its engine-core and worker
-    # children (a SIGKILLed API server leaves them orphaned).
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
@@ -105,6 +98,7 @@ class VLLMServer:
             "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib))),
             "VLLM_CONFIGURE_LOGGING": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            "TRIDENT_VLLM_SERVER": "1",  # trident's plugin: every vLLM process dies with its parent
         }
         if weight_transfer_backend == "ipc":  # vLLM's ipc backend ships pickled CUDA IPC handles
             self.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -125,7 +119,10 @@ class VLLMServer:
             stderr=subprocess.STDOUT,
             env=self.env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            # SIGTERM, not SIGKILL: the API server's own shutdown then stops its engine core;
+            # the engine core and its workers die with their parents too (trident's vLLM
+            # plugin, below), so even a SIGKILLed API server leaves none of them behind
+            preexec_fn=die_with_parent,
         )
         log.close()
         deadline = time.monotonic() + timeout_s

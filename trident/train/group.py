@@ -30,6 +30,10 @@ class TrainerStartError(RuntimeError):
     """The trainer ranks could not be started (no room on the cluster, or a rank crashed)."""
 
 
+class TrainerRankError(RuntimeError):
+    """A trainer rank died mid-run (its process was killed, its node lost, out of memory)."""
+
+
 class TrainerGroup(AbstractContextManager):
     def __init__(self, cfg: TridentConfig) -> None:
         self.cfg = cfg
@@ -59,7 +63,20 @@ class TrainerGroup(AbstractContextManager):
         return self
 
     async def _all(self, method: str, *args: Any) -> Any:
-        results = await asyncio.gather(*(getattr(w, method).remote(*args) for w in self.workers))
+        """``method`` on every rank; rank 0's result. A rank that dies fails the call at once,
+        naming it, even while the others wait for it in a collective (they are killed on exit)."""
+        calls = [asyncio.ensure_future(getattr(w, method).remote(*args)) for w in self.workers]
+        try:
+            results = await asyncio.gather(*calls)
+        except RayActorError:
+            dead = [r for r, c in enumerate(calls) if c.done() and c.exception() is not None]
+            for c in calls:
+                c.cancel()
+            raise TrainerRankError(
+                f"trainer rank {dead[0] if dead else '?'} died during {method} "
+                f"(pid {self.pids.get(f'trainer_rank{dead[0]}', '?') if dead else '?'}): "
+                "its process was killed, or its node or memory ran out"
+            ) from None
         return results[0]
 
     async def connect(self, urls: list[str], backend: str) -> None:
@@ -67,8 +84,12 @@ class TrainerGroup(AbstractContextManager):
         await self._all("connect", urls, backend)
 
     async def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """``PolicyWorker.train_step``: one optimizer round over the step's samples."""
-        return await self._all("train_step", samples)
+        """``PolicyWorker.train_step``: one optimizer round over the step's samples; each
+        sample's mean advantage and engine-vs-trainer mismatch go into its ``metrics``."""
+        metrics = await self._all("train_step", samples)
+        for s, (advantage, mismatch) in zip(samples, metrics.pop("per_sample"), strict=True):
+            s.metrics["advantage"], s.metrics["mismatch"] = advantage, mismatch
+        return metrics
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         """``PolicyWorker.sync_weights``: push ``version`` to every server and verify it."""

@@ -77,7 +77,7 @@ import math
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -270,8 +270,10 @@ class PolicyWorker:
                     metrics[f"distill_kl/{key}"] = float(reverse_kl[rows].sum() / n)
         return adv, returns, metrics
 
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One RL step on ``samples`` (identical on every rank); returns rank-0-reduced metrics."""
+    def train_step(self, samples: list[Sample]) -> dict[str, Any]:
+        """One RL step on ``samples`` (identical on every rank); returns rank-0-reduced metrics
+        and, under ``per_sample``, each sample's [mean advantage, mean engine-vs-trainer
+        |Δlogp|] over its loss tokens (for the lineage)."""
         a = self.cfg.algo
         pad = self.tokenizer.pad_token_id
         full = collate(samples, pad)
@@ -280,6 +282,7 @@ class PolicyWorker:
         local = self._recompute(batch, [samples[i] for i in mine])
         grids = self._gather(local, mine, full.mask.shape)
         adv_all, returns_all, step_metrics = self.advantages(samples, full, grids)
+        per_sample = self._per_sample(samples, mine, full.mask, adv_all, batch, local["old"])
         width = batch.mask.shape[1]
         adv = adv_all[mine][:, :width].to(self.device)
         returns = None if returns_all is None else returns_all[mine][:, :width].to(self.device)
@@ -297,7 +300,28 @@ class PolicyWorker:
         kl_seq = step_metrics.pop("kl_seq", None)
         if self.kl_ctl is not None and kl_seq is not None:
             self.kl_ctl.update(kl_seq, len(samples))
-        return self._reduce_metrics(sums) | step_metrics
+        return self._reduce_metrics(sums) | step_metrics | {"per_sample": per_sample}
+
+    def _per_sample(
+        self,
+        samples: list[Sample],
+        mine: list[int],
+        full_mask: torch.Tensor,
+        adv_all: torch.Tensor,
+        batch: Batch,
+        old: torch.Tensor,
+    ) -> list[list[float]]:
+        """[mean advantage, mean |engine logp - trainer logp|] per sample over its loss tokens;
+        each rank fills its own rows of the mismatch and one all_reduce sums them."""
+        tokens = full_mask.sum(1).clamp(min=1)
+        advantage = (adv_all * full_mask).sum(1) / tokens
+        gap = torch.zeros(len(samples), device=self.device)
+        m = batch.mask
+        rows = torch.tensor(mine, device=self.device, dtype=torch.long)
+        gap[rows] = ((old - batch.engine_logp).abs() * m).sum(1) / m.sum(1).clamp(min=1)
+        if self.world > 1:
+            dist.all_reduce(gap)
+        return torch.stack([advantage.float().cpu(), gap.float().cpu()], 1).tolist()
 
     def _shard(self, n: int) -> tuple[list[int], list[list[int]]]:
         """This rank's samples and its rows of each mini-batch. Mini-batch k is samples[k::M]
@@ -507,21 +531,35 @@ class PolicyWorker:
         """Called once, after the rollout servers are up."""
         from trident.weights.sync import WeightSync, make_probe
 
-        self.probe = make_probe(self.tokenizer, self.cfg.sync.probe_tokens, seed=self.cfg.run.seed)
+        sc = self.cfg.sync
+        self.probe = make_probe(self.tokenizer, sc.probe_tokens, seed=self.cfg.run.seed)
         if self.rank == 0:
-            self.sync = WeightSync(urls, backend=backend)
+            self.sync = WeightSync(
+                urls,
+                backend=backend,
+                bucket_bytes=sc.bucket_bytes,
+                delta=sc.delta and backend == "shm",
+                full_every=sc.full_every,
+                on_base_mismatch=sc.on_base_mismatch,
+            )
             self.sync.init()
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the current weights as ``version`` and verify them (collective on all ranks)."""
-        from trident.weights.sync import hf_named_tensors, probe_logprobs
+        """Push the current weights as ``version`` and verify them (collective on all ranks).
 
-        state = fsdp.full_state_dict(self.model)
+        The weights stream from the FSDP2 shards: every rank iterates the same sharded state
+        dict, each bucket is all-gathered just before rank 0 sends it (``WeightSync.push``),
+        and the other ranks take part in the same gathers (``drain``)."""
+        from trident.weights.sync import drain, hf_named_tensors, probe_logprobs
+
         expected = probe_logprobs(self.model, self.probe) if self.cfg.sync.verify else None
+        shards = hf_named_tensors(self.model, self.tied)
         metrics: dict[str, float] = {}
-        if self.rank == 0:
+        if self.rank != 0:
+            drain(shards)
+        else:
             assert self.sync is not None  # connect() made it on rank 0
-            metrics = self.sync.push(hf_named_tensors(state, self.tied), version)
+            metrics = self.sync.push(shards, version)
             if expected is not None:
                 metrics |= self.sync.verify(self.probe, expected, version, self.cfg.sync.tolerance)
         dist.barrier()

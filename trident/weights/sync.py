@@ -4,12 +4,20 @@ One sync is ``WeightSync.push(named_tensors, version)`` followed by ``WeightSync
 
 1. ``/pause`` every server (in-flight requests are aborted; new ones queue).
 2. ``/start_weight_update``; then the ``(name, tensor)`` stream is cut into buckets of about
-   ``bucket_bytes``; each bucket is written as one safetensors file in ``shm_dir``, its bytes are
-   hashed (xxh3-128) and ``/update_weights`` names the file, the checksum, the bucket index and
-   whether it is the last one. The engine (``trident.weights.vllm_plugin``) refuses a bucket whose
-   checksum, index, tensor names or shapes are wrong, and applies the update only when the last
-   bucket arrives, so a refused update leaves a server on its previous weights and version.
-   The trainer deletes each file once every server has read it.
+   ``bucket_bytes``. The tensors may be FSDP2 shards (``DTensor``): bucket boundaries come from
+   their global shapes, and each bucket is all-gathered (``full_tensor`` per tensor, a collective:
+   every rank iterates the same stream, see ``drain``) just before it is written, so no rank ever
+   holds the whole model. A producer thread gathers and writes bucket k+1 while the servers read
+   bucket k (two buffers: at most two bucket files exist, and the process holds about one
+   gathered bucket). Each bucket is one safetensors file in ``shm_dir``, its bytes are hashed
+   (xxh3-128), and ``/update_weights`` names the file, the checksum, the bucket index and whether
+   it is the last one, to every server at once (one file in shared memory, read by all). The
+   final bucket also carries ``weights_checksum``, the xxh3-128 of every tensor's name, dtype,
+   shape and bytes (``delta.WeightsChecksum``). The engine (``trident.weights.vllm_plugin``)
+   refuses a bucket whose checksum, index, tensor names or shapes are wrong, or whose
+   reconstructed weights hash differently, and applies the update only when the last bucket
+   arrives, so a refused update leaves a server on its previous weights and version. The trainer
+   deletes each file once every server has read it.
 3. ``/finish_weight_update {"weight_version": "N"}`` bumps the served version.
 4. ``/resume``.
 5. ``verify``: on every server, ``GET /weight_info`` must report N and the engine's logprobs of a
@@ -31,22 +39,34 @@ On GPUs, ``backend="nccl"`` / ``"ipc"`` drive vLLM's own trainer-side engines
 (``WeightTransferTrainerFactory``) through the same HTTP routes, one NCCL group per server; the
 same pause/resume and ``verify`` apply.
 
-Simplifications: tensors are full (unsharded) tensors; an FSDP2 trainer gathers a full state dict
-(``get_model_state_dict(..., full_state_dict=True, cpu_offload=True)``) and rank 0 pushes.
-Buckets are sent one after another, not double-buffered. Every sync is a full sync (no deltas).
-The public methods are synchronous (each runs its own event loop); async callers use
-``asyncio.to_thread``.
+Delta sync (``delta=True``): a bucket then holds, per tensor, the XOR of the new bits with the
+bits the servers hold, in byte planes, zstd-compressed (``trident.weights.delta``), tagged with the
+base version and base checksum it applies to. The sender keeps what each server holds (version
+and weights checksum) and, to encode the next delta, a CPU copy of the last pushed weights (one
+model on rank 0). Each server keeps the same copy in the trainer's layout (the engine repacks its
+own tensors, so it cannot XOR against them): one model of extra memory per server. A server that
+holds another base refuses the delta (``BASE_MISMATCH``); ``on_base_mismatch="full"`` then
+resends the same version in full, ``"fail"`` raises. Every ``full_every``-th sync is full, the
+first one always, and one after any failure (the sender no longer knows what a server holds).
+The probe verification is the same for deltas and full syncs.
+
+Simplifications: rank 0 writes and sends everything (other ranks only take part in the gathers);
+the delta base is a full copy on rank 0 rather than each rank's shard; the GPU backends gather the
+whole model before sending. The public methods are synchronous (each runs its own event loop);
+async callers use ``asyncio.to_thread``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import math
 import mmap
 import os
 import pickle
 import random
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
@@ -58,8 +78,9 @@ import httpx
 import torch
 
 from trident.rollout.engine import VLLMClient
+from trident.weights import delta as delta_codec
 from trident.weights.tensors import full_tensor
-from trident.weights.vllm_plugin import checksum
+from trident.weights.vllm_plugin import BASE_MISMATCH, checksum
 
 Backend = Literal["shm", "nccl", "ipc"]
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -69,6 +90,14 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 
 class WeightSyncError(RuntimeError):
     """A weight sync failed or did not apply; the message names the server and the step."""
+
+
+class _DeltaRefused(Exception):
+    """A delta was refused for its base; carries the new weights, all gathered, for a resend."""
+
+    def __init__(self, error: BaseException, new_state: dict[str, torch.Tensor] | None) -> None:
+        super().__init__(str(error))
+        self.error, self.new_state = error, new_state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,8 +186,70 @@ def write_bucket(bucket: list[tuple[str, torch.Tensor]], path: str | Path) -> Bu
         return BucketFile(str(path), checksum(mapped), len(mapped))
 
 
+def write_delta_bucket(
+    bucket: list[tuple[str, torch.Tensor]], base: Mapping[str, torch.Tensor], path: str | Path
+) -> BucketFile:
+    """Write the delta of every (full, CPU) tensor of ``bucket`` against ``base`` as a
+    safetensors file of compressed byte strings; dtypes and shapes go in its metadata."""
+    from safetensors.torch import save_file
+
+    payloads: dict[str, torch.Tensor] = {}
+    meta: dict[str, list] = {}
+    for name, tensor in bucket:
+        held = base.get(name)
+        if held is None or held.dtype != tensor.dtype or held.shape != tensor.shape:
+            raise WeightSyncError(
+                f"{BASE_MISMATCH}: tensor {name!r} ({tensor.dtype}, {tuple(tensor.shape)}) is not "
+                "in the sender's base; a full sync is needed"
+            )
+        payload = delta_codec.encode(tensor, held)
+        payloads[name] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        meta[name] = [str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+    header = {"encoding": delta_codec.ENCODING, "tensors": meta}
+    save_file(payloads, str(path), metadata={"trident_delta": json.dumps(header)})
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        return BucketFile(str(path), checksum(mapped), len(mapped))
+
+
+def drain(named_tensors: NamedTensors) -> None:
+    """Take part in the gathers of a push without sending: what every FSDP rank but the sender
+    does with the same stream (``full_tensor`` is a collective, called in the same order)."""
+    for _, tensor in named_tensors:
+        full_tensor(tensor)
+
+
 def _full_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor(tensor).to("cpu").contiguous()
+
+
+def _mark_last(
+    buckets: Iterator[list[tuple[str, torch.Tensor]]],
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """``(bucket, is_last)``: one bucket of lookahead (of shards: nothing is gathered yet)."""
+    bucket = next(buckets, None)
+    while bucket is not None:
+        following = next(buckets, None)
+        yield bucket, following is None
+        bucket = following
+
+
+@dataclass
+class _Sent:
+    """What the producer thread hands to the sender: one written bucket."""
+
+    info: dict[str, Any]
+    file: BucketFile
+    num_tensors: int
+    weights_bytes: int
+
+
+@dataclass
+class _StreamEnd:
+    """The producer is done: every tensor of the stream was gathered (also after an error)."""
+
+    error: BaseException | None
+    weights_checksum: str
+    new_state: dict[str, torch.Tensor] | None  # clones of what was sent (delta mode only)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,15 +304,23 @@ class WeightSync:
         timeout_s: float = 120.0,
         nccl_master_address: str = "127.0.0.1",
         engine_world_size: int = 1,
+        delta: bool = False,
+        full_every: int = 10,
+        on_base_mismatch: Literal["fail", "full"] = "fail",
     ) -> None:
         """``timeout_s`` bounds every HTTP call; ``nccl_master_address`` and
-        ``engine_world_size`` (a server's TP x PP x DP ranks) are used by ``backend="nccl"``."""
+        ``engine_world_size`` (a server's TP x PP x DP ranks) are used by ``backend="nccl"``;
+        ``delta``, ``full_every`` and ``on_base_mismatch``: see the module docstring (shm)."""
         if not urls:
             raise ValueError("WeightSync needs at least one server url")
         if backend not in ("shm", "nccl", "ipc"):
             raise ValueError(f"unknown weight sync backend {backend!r}: shm | nccl | ipc")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if full_every < 1:
+            raise ValueError(f"full_every must be >= 1, got {full_every}")
+        if delta and backend != "shm":
+            raise ValueError(f"delta sync needs backend='shm', got {backend!r}")
         self.urls = [u.rstrip("/") for u in urls]
         self.backend = backend
         self.shm_dir = Path(shm_dir)
@@ -232,6 +331,12 @@ class WeightSync:
         self.version: int | None = None  # last version finished on every server
         self._file_prefix = f"trident-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._gpu: dict[str, tuple[_HTTPControlPlane, Any]] = {}
+        self.delta, self.full_every, self.on_base_mismatch = delta, full_every, on_base_mismatch
+        # what each server holds: (version, weights checksum); None = unknown (full sync next)
+        self.held: dict[str, tuple[int, str] | None] = dict.fromkeys(self.urls)
+        self._base: dict[str, torch.Tensor] | None = None  # the weights of base_key (delta)
+        self._base_key: tuple[int, str] | None = None
+        self._deltas_since_full = 0
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -245,10 +350,12 @@ class WeightSync:
 
     async def _init_shm(self) -> None:
         async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+            init = {"init_info": {"keep_base": self.delta}}
             await self._each(
                 "init_weight_transfer_engine",
-                lambda url: _post(http, url, "/init_weight_transfer_engine", {"init_info": {}}),
+                lambda url: _post(http, url, "/init_weight_transfer_engine", init),
             )
+        self.held = dict.fromkeys(self.urls)
 
     # -- push ----------------------------------------------------------------------------------
 
@@ -262,18 +369,61 @@ class WeightSync:
             raise ValueError(
                 f"version {version} is not newer than the last pushed ({self.version})"
             )
-        if self.backend == "shm":
-            metrics = asyncio.run(self._push_shm(named_tensors, version))
-        else:
-            metrics = self._push_gpu(named_tensors, version)
+        stream = iter(named_tensors)
+        try:
+            if self.backend == "shm":
+                metrics = self._push_shm_full_or_delta(stream, version)
+            else:
+                metrics = self._push_gpu(stream, version)
+        finally:
+            drain(stream)  # a push that failed early still owes the other ranks its gathers
         self.version = version
         return metrics
 
-    async def _push_shm(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
-        m: dict[str, float] = dict.fromkeys(
-            ("pause_s", "start_s", "write_s", "update_s", "finish_s", "resume_s"), 0.0
+    def next_is_delta(self) -> bool:
+        """Whether the next push is a delta: delta mode, fewer than ``full_every - 1`` deltas
+        since the last full sync, and every server known to hold the sender's base."""
+        return (
+            self.delta
+            and self._base_key is not None
+            and self._deltas_since_full + 1 < self.full_every
+            and all(self.held[url] == self._base_key for url in self.urls)
         )
-        m.update(bytes=0.0, num_buckets=0.0, num_tensors=0.0)
+
+    def _push_shm_full_or_delta(
+        self, stream: Iterator[tuple[str, torch.Tensor]], version: int
+    ) -> dict[str, float]:
+        is_delta = self.next_is_delta()
+        try:
+            m, end = asyncio.run(self._push_shm(stream, version, is_delta))
+        except _DeltaRefused as refused:
+            self.held = dict.fromkeys(self.urls)
+            if self.on_base_mismatch != "full" or refused.new_state is None:
+                raise WeightSyncError(
+                    f"{refused.error}\n(sync.on_base_mismatch=full resends in full instead)"
+                ) from refused.error
+            # The refused attempt gathered every tensor already: resend those, in full.
+            m, end = asyncio.run(self._push_shm(iter(refused.new_state.items()), version, False))
+            m["fallback_full"] = 1.0
+        except BaseException:
+            self.held = dict.fromkeys(self.urls)
+            raise
+        key = (version, end.weights_checksum)
+        self.held = dict.fromkeys(self.urls, key)
+        self._deltas_since_full = (
+            self._deltas_since_full + 1 if is_delta and "fallback_full" not in m else 0
+        )
+        if self.delta:
+            self._base, self._base_key = end.new_state, key
+        return m
+
+    async def _push_shm(
+        self, stream: Iterator[tuple[str, torch.Tensor]], version: int, is_delta: bool
+    ) -> tuple[dict[str, float], _StreamEnd]:
+        phases = ("pause_s", "start_s", "gather_s", "write_s", "update_s", "finish_s", "resume_s")
+        m: dict[str, float] = dict.fromkeys(phases, 0.0)
+        m.update(bytes=0.0, weights_bytes=0.0, num_buckets=0.0, num_tensors=0.0)
+        m["delta"] = float(is_delta)
         t_start = time.perf_counter()
         engines = {url: VLLMClient(url, timeout_s=self.timeout_s) for url in self.urls}
         async with httpx.AsyncClient(timeout=self.timeout_s) as http:
@@ -287,7 +437,7 @@ class WeightSync:
                         lambda url: _post(http, url, "/start_weight_update"),
                     )
                 started = True
-                await self._send_buckets(http, named_tensors, version, m)
+                end = await self._send_buckets(http, stream, version, is_delta, m)
                 with _timed(m, "finish_s"):
                     await self._each(
                         "finish_weight_update",
@@ -313,50 +463,131 @@ class WeightSync:
                 for engine in engines.values():
                     await engine.aclose()
         m["total_s"] = time.perf_counter() - t_start
-        return m
+        return m, end
 
     async def _send_buckets(
         self,
         http: httpx.AsyncClient,
-        named_tensors: NamedTensors,
+        stream: Iterator[tuple[str, torch.Tensor]],
         version: int,
+        is_delta: bool,
         m: dict[str, float],
-    ) -> None:
-        seen: set[str] = set()
-        buckets = iter_buckets(named_tensors, self.bucket_bytes)
-        bucket = next(buckets, None)
-        if bucket is None:
-            raise WeightSyncError(f"push of version {version}: no tensors to send")
-        index = 0
-        while bucket is not None:
-            following = next(buckets, None)  # one bucket of lookahead tells the engine "final"
-            for name, _ in bucket:
-                if name in seen:
-                    raise WeightSyncError(f"push of version {version}: tensor {name!r} sent twice")
-                seen.add(name)
-            path = self.shm_dir / f"{self._file_prefix}-v{version}-b{index}.safetensors"
+    ) -> _StreamEnd:
+        """Send buckets as the producer thread writes them; returns once it has gathered the
+        whole stream, even after a failure (the other ranks' gathers must complete)."""
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Queue[_Sent | _StreamEnd] = asyncio.Queue()
+        buffers = threading.Semaphore(2)  # bucket k is read while bucket k+1 is written
+        failed = threading.Event()
+        producer = threading.Thread(
+            target=self._produce,
+            args=(stream, version, is_delta, m, buffers, failed),
+            kwargs={"hand_over": lambda item: loop.call_soon_threadsafe(ready.put_nowait, item)},
+            name="trident-weight-sync-producer",
+            daemon=True,
+        )
+        producer.start()
+        error: BaseException | None = None
+        while not isinstance(item := await ready.get(), _StreamEnd):
             try:
-                with _timed(m, "write_s"):
-                    file = write_bucket(bucket, path)
-                info = {
+                if error is None:
+                    with _timed(m, "update_s"):
+                        await self._each(
+                            f"update_weights (bucket {item.info['index']}, "
+                            f"{item.file.nbytes} bytes)",
+                            lambda url, info=item.info: _post(
+                                http, url, "/update_weights", {"update_info": info}
+                            ),
+                        )
+                    m["bytes"] += item.file.nbytes
+                    m["weights_bytes"] += item.weights_bytes
+                    m["num_buckets"] += 1
+                    m["num_tensors"] += item.num_tensors
+            except BaseException as e:  # keep taking buckets: the producer must finish
+                error = e
+                failed.set()
+            finally:
+                Path(item.file.path).unlink(missing_ok=True)
+                buffers.release()
+        await asyncio.to_thread(producer.join)
+        error = error or item.error
+        if error is not None:
+            if is_delta and BASE_MISMATCH in str(error):
+                raise _DeltaRefused(error, item.new_state)
+            raise error
+        return item
+
+    def _produce(
+        self,
+        stream: Iterator[tuple[str, torch.Tensor]],
+        version: int,
+        is_delta: bool,
+        m: dict[str, float],
+        buffers: threading.Semaphore,
+        failed: threading.Event,
+        *,
+        hand_over: Callable[[_Sent | _StreamEnd], object],
+    ) -> None:
+        """Producer thread: gather each bucket (a collective), checksum, encode, write, hand
+        over. After an error it keeps gathering (and, in delta mode, keeping) but writes nothing."""
+        weights = delta_codec.WeightsChecksum()
+        new_state: dict[str, torch.Tensor] | None = {} if self.delta else None
+        base = self._base if is_delta else None
+        base_version, base_checksum = self._base_key if is_delta and self._base_key else (-1, "")
+        error: BaseException | None = None
+        seen: set[str] = set()
+        index = -1
+        try:
+            for index, (bucket, final) in enumerate(
+                _mark_last(iter_buckets(stream, self.bucket_bytes))
+            ):
+                buffers.acquire()
+                with _timed(m, "gather_s"):
+                    gathered = [(name, _full_cpu(tensor)) for name, tensor in bucket]
+                if new_state is not None:  # clones: a plain model's tensors are its parameters
+                    new_state.update((name, t.clone()) for name, t in gathered)
+                if error is not None or failed.is_set():
+                    buffers.release()
+                    continue
+                path = self.shm_dir / f"{self._file_prefix}-v{version}-b{index}.safetensors"
+                try:
+                    for name, _ in gathered:
+                        if name in seen:
+                            raise WeightSyncError(
+                                f"push of version {version}: tensor {name!r} sent twice"
+                            )
+                        seen.add(name)
+                    weights.update_bucket(gathered)
+                    with _timed(m, "write_s"):
+                        if base is not None:
+                            file = write_delta_bucket(gathered, base, path)
+                        else:
+                            file = write_bucket(gathered, path)
+                except BaseException as e:
+                    error = e
+                    path.unlink(missing_ok=True)
+                    buffers.release()
+                    continue
+                info: dict[str, Any] = {
                     "path": file.path,
                     "checksum": file.checksum,
                     "index": index,
-                    "final": following is None,
+                    "final": final,
+                    "version": version,
+                    "kind": "delta" if is_delta else "full",
+                    "base_version": base_version,
+                    "base_checksum": base_checksum,
                 }
-                with _timed(m, "update_s"):
-                    await self._each(
-                        f"update_weights (bucket {index}, {file.nbytes} bytes)",
-                        lambda url, info=info: _post(
-                            http, url, "/update_weights", {"update_info": info}
-                        ),
-                    )
-            finally:
-                path.unlink(missing_ok=True)
-            m["bytes"] += file.nbytes
-            m["num_buckets"] += 1
-            m["num_tensors"] += len(bucket)
-            bucket, index = following, index + 1
+                if final:
+                    info["weights_checksum"] = weights.hexdigest()
+                nbytes = sum(t.numel() * t.element_size() for _, t in gathered)
+                hand_over(_Sent(info, file, len(gathered), nbytes))
+                del gathered
+            if index < 0:
+                error = WeightSyncError(f"push of version {version}: no tensors to send")
+        except BaseException as e:  # the stream itself failed: nothing more can be gathered
+            error = error or e
+        hand_over(_StreamEnd(error, weights.hexdigest(), new_state))
 
     # -- verify --------------------------------------------------------------------------------
 

@@ -7,24 +7,35 @@ which a server selects with ``--weight-transfer-config '{"backend": "trident_shm
 Protocol (HTTP routes of a server run with ``VLLM_SERVER_DEV_MODE=1``; the trainer side is
 ``trident.weights.sync.WeightSync``):
 
-1. ``POST /init_weight_transfer_engine {"init_info": {}}`` once per server.
+1. ``POST /init_weight_transfer_engine {"init_info": {"keep_base": bool}}`` once per server.
 2. Per update: ``POST /start_weight_update``, then for bucket ``i = 0, 1, ...``
-   ``POST /update_weights {"update_info": {"path", "checksum", "index", "final"}}``: ``path`` is a
-   safetensors file the trainer wrote (in /dev/shm on one host) holding HF-named tensors,
-   ``checksum`` is ``"xxh3_128:<hex>"`` of the file's bytes, ``final`` marks the last bucket.
-   Then ``POST /finish_weight_update {"weight_version": "N"}``. A trainer that fails mid-update
-   sends ``{"update_info": {"abort": true}}``: the engine discards what it staged and raises, which
-   is how vLLM's worker closes an update session without touching the weights.
+   ``POST /update_weights {"update_info": {"path", "checksum", "index", "final", "version",
+   "kind", "base_version", "base_checksum", "weights_checksum"}}``: ``path`` is a safetensors
+   file the trainer wrote (in /dev/shm on one host), ``checksum`` is ``"xxh3_128:<hex>"`` of the
+   file's bytes, ``final`` marks the last bucket, which also carries ``weights_checksum``
+   (``trident.weights.delta.WeightsChecksum`` of all the update's tensors). ``kind`` is ``full``
+   (the file holds HF-named tensors) or ``delta`` (it holds, per tensor, the compressed XOR
+   against the base, ``trident.weights.delta``; it applies only to the base ``base_version`` /
+   ``base_checksum``). Then ``POST /finish_weight_update {"weight_version": "N"}``. A trainer that
+   fails mid-update sends ``{"update_info": {"abort": true}}``: the engine discards what it staged
+   and raises, which is how vLLM's worker closes an update session without touching the weights.
 
 The engine reads each file once, hashes exactly the bytes it deserializes, and refuses (raises,
 so the HTTP call fails) a bucket whose checksum differs, that arrives out of order, or that names a
-tensor the served checkpoint does not have or gives it another shape. Refusal happens before
+tensor the served checkpoint does not have or gives it another shape, a delta whose base is not
+the one it holds (``BASE_MISMATCH``), and an update whose reconstructed tensors do not hash to
+``weights_checksum``. Refusal happens before
 anything touches the model: buckets are staged in memory and applied together when the ``final``
 bucket arrives, inside vLLM's layerwise reload (``initialize_layerwise_reload`` /
 ``finalize_layerwise_reload``, required on CPU where vLLM repacks weights after loading). So an
 update either applies whole or leaves the served weights and version as they were. The apply runs
 inside ``/update_weights`` rather than ``/finish_weight_update`` because vLLM's worker closes the
 update session when ``update_weights`` raises but leaves it open when ``finish`` raises.
+
+With ``keep_base`` (the trainer's ``sync.delta``) the engine keeps the last applied weights in
+the trainer's layout, on CPU, as the base for the next delta: vLLM repacks its own parameters
+(fused qkv, CPU-packed linears), so a delta cannot be applied to them. That is one more copy of
+the model per server, for as long as the server runs.
 
 Simplifications: the engine holds one extra copy of the update's tensors while staging (fine for
 the models a shared-memory backend serves; GPUs use vLLM's ``nccl``/``ipc`` backends); the
@@ -42,11 +53,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import os
 from pathlib import Path
 from typing import Any, cast
 
 BACKEND = "trident_shm"
 CHECKSUM_ALGORITHM = "xxh3_128"
+BASE_MISMATCH = "delta base mismatch"  # in the refusal of a delta for another base
 
 # A child of vLLM's logger: messages land in the server log, formatted like vLLM's own.
 logger = logging.getLogger("vllm.trident_shm")
@@ -60,8 +73,15 @@ def checksum(data: bytes | memoryview | mmap.mmap) -> str:
 
 
 def register() -> None:
-    """vLLM plugin hook: register ``trident_shm`` (idempotent: plugins may load more than once)."""
+    """vLLM plugin hook, run in every vLLM process: register ``trident_shm`` (idempotent:
+    plugins may load more than once); in a server trident started, make this process (the
+    engine core, its workers) die with its parent, so a killed API server leaves none behind."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if os.environ.get("TRIDENT_VLLM_SERVER") == "1":
+        from trident.cluster.process import die_with_parent
+
+        die_with_parent()
 
     with contextlib.suppress(ValueError):  # already registered in this process
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "TridentShmEngine")
@@ -102,9 +122,13 @@ def _build_engine_class() -> type:
         WeightTransferUpdateInfo,
     )
 
+    from trident.weights import delta as delta_codec
+
     @dataclass
     class ShmInitInfo(WeightTransferInitInfo):
         """No rendezvous: the trainer and the engine share a filesystem."""
+
+        keep_base: bool = False  # keep the last applied weights as the base of deltas
 
     @dataclass
     class ShmUpdateInfo(WeightTransferUpdateInfo):
@@ -113,10 +137,17 @@ def _build_engine_class() -> type:
         index: int = 0
         final: bool = False
         abort: bool = False
+        version: int = -1
+        kind: str = "full"
+        base_version: int = -1
+        base_checksum: str = ""
+        weights_checksum: str = ""
 
         def __post_init__(self) -> None:
             if not self.abort and not (self.path and self.checksum):
                 raise ValueError("update_info needs 'path' and 'checksum' (or 'abort': true)")
+            if self.kind not in ("full", "delta"):
+                raise ValueError(f"update_info kind must be 'full' or 'delta', got {self.kind!r}")
 
     class TridentShmEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         """Loads checksummed safetensors buckets from a shared filesystem, all-or-nothing."""
@@ -128,12 +159,21 @@ def _build_engine_class() -> type:
         def __init__(self, config, vllm_config, device, model) -> None:
             super().__init__(config, vllm_config, device, model)
             self._staged: list[tuple[str, Any]] = []
+            self._applied_tensors: list[tuple[str, Any]] = []
             self._buckets = 0
             self._applied = False
             self._shapes: dict[str, tuple[int, ...]] | None = None
             self._read_s = 0.0  # read + checksum + deserialize, over this update's buckets
+            self._weights = delta_codec.WeightsChecksum()  # of the tensors staged so far
+            self._keep_base = False
+            # the last applied weights, trainer layout, CPU, with their version and checksum
+            self._base: dict[str, Any] | None = None
+            self._base_key: tuple[int, str] | None = None
 
         def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+            self._keep_base = init_info.keep_base
+            if not self._keep_base:
+                self._base, self._base_key = None, None
             self._shapes = checkpoint_shapes(self.model_config.model, self.model_config.hf_config)
             if self._shapes is None:
                 logger.warning(
@@ -145,6 +185,7 @@ def _build_engine_class() -> type:
         def start_weight_update(self) -> None:
             self._staged, self._buckets, self._applied = [], 0, False
             self._read_s = 0.0
+            self._weights = delta_codec.WeightsChecksum()
 
         def receive_weights(self, update_info: ShmUpdateInfo) -> None:
             try:
@@ -185,14 +226,72 @@ def _build_engine_class() -> type:
                     f"trainer sent {update_info.checksum}, engine read {got}; "
                     "update refused, weights unchanged"
                 )
-            tensors = load(data)
+            if update_info.kind == "delta":
+                self._check_base(update_info)
+                tensors = self._reconstruct(data, update_info)
+            else:
+                tensors = load(data)
             del data
             self._check_names(tensors, update_info)
+            self._weights.update_bucket(list(tensors.items()))
             self._staged.extend(tensors.items())
             self._buckets += 1
             self._read_s += time.perf_counter() - t0
             if update_info.final:
+                got = self._weights.hexdigest()
+                if update_info.weights_checksum and got != update_info.weights_checksum:
+                    raise ValueError(
+                        f"weights checksum mismatch after {self._buckets} bucket(s) "
+                        f"({update_info.kind}): trainer sent {update_info.weights_checksum}, "
+                        f"engine reconstructed {got}; update refused, weights unchanged"
+                    )
                 self._apply()
+                if self._keep_base:
+                    staged = dict(self._applied_tensors)
+                    full = update_info.kind == "full"
+                    self._base = staged if full or self._base is None else self._base | staged
+                    self._base_key = (update_info.version, got)
+                self._applied_tensors = []
+
+        def _check_base(self, update_info: ShmUpdateInfo) -> None:
+            want = (update_info.base_version, update_info.base_checksum)
+            if self._base is None or self._base_key != want:
+                held = (
+                    f"holds base version {self._base_key[0]} ({self._base_key[1]})"
+                    if self._base_key is not None
+                    else "holds no base (no full sync since it started with keep_base)"
+                )
+                raise ValueError(
+                    f"{BASE_MISMATCH}: bucket {update_info.index} is a delta against base "
+                    f"version {want[0]} ({want[1]}); this server {held}; "
+                    "update refused, weights unchanged"
+                )
+
+        def _reconstruct(self, data: bytes, update_info: ShmUpdateInfo) -> dict[str, Any]:
+            import json
+
+            from safetensors.torch import load
+
+            header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+            meta = json.loads(header.get("__metadata__", {}).get("trident_delta", "{}"))
+            if meta.get("encoding") != delta_codec.ENCODING:
+                raise ValueError(
+                    f"bucket {update_info.index}: delta encoding {meta.get('encoding')!r}, "
+                    f"expected {delta_codec.ENCODING!r}; update refused, weights unchanged"
+                )
+            assert self._base is not None  # _check_base ran
+            out: dict[str, Any] = {}
+            for name, payload in load(data).items():
+                base = self._base.get(name)
+                dtype, shape = meta["tensors"][name]
+                if base is None or str(base.dtype) != f"torch.{dtype}" or list(base.shape) != shape:
+                    raise ValueError(
+                        f"{BASE_MISMATCH}: bucket {update_info.index}: delta for {name!r} "
+                        f"({dtype}, {shape}) has no matching tensor in this server's base; "
+                        "update refused, weights unchanged"
+                    )
+                out[name] = delta_codec.decode(payload.numpy().data, base)
+            return out
 
         def _check_names(self, tensors: dict[str, Any], update_info: ShmUpdateInfo) -> None:
             if self._shapes is None:
@@ -221,6 +320,7 @@ def _build_engine_class() -> type:
             )
 
             staged, self._staged = self._staged, []
+            self._applied_tensors = staged  # the next base, when keep_base
             t0 = time.perf_counter()
             initialize_layerwise_reload(self.model)
             try:

@@ -1,0 +1,16 @@
+"""Processes that must not outlive the one that started them (cheap to import: vLLM's processes
+import it through trident's plugin)."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (``PR_SET_PDEATHSIG``;
+    Linux only, a no-op elsewhere). SIGTERM by default, so the process can stop its own children
+    on the way out."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
