@@ -208,6 +208,7 @@ def test_inspect_tells_the_story_of_a_real_runs_sample(short_run):
         assert {r["version"] for r in trained} == {m["version"]}
         assert sum(r["reward"] for r in trained) / len(trained) == pytest.approx(m["reward_mean"])
         assert all(r["advantage"] is not None and r["mismatch"] is not None for r in trained)
+        assert all(str(r["server"]).startswith("http://") for r in trained)
     row = rows[len(rows) // 2]
     r = run_cli("inspect", str(short_run), "--sample", row["sample_id"], timeout=120)
     assert r.returncode == 0, r.stderr

@@ -29,11 +29,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import random
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from trident.agent.loop import agent_metrics
 from trident.config import TridentConfig
@@ -93,6 +96,7 @@ class Progress:
     versions: list[int] = field(default_factory=list)
     resumes: int = 0
     finish: FinishReason | None = None  # set once the response is complete
+    server: str = ""  # the server of the latest segment
 
 
 @dataclass
@@ -241,6 +245,8 @@ class RunHarness:
         server = self.router.pick()
         with self.trace.span("generate", f"rollout {server.url}", version=ticket.version):
             samples = await self.generate(server, group)
+        for s in samples:
+            s.metadata["server"] = server.url
         self.stats.segments += 1
         self.stats.generated_tokens += sum(s.num_response_tokens for s in samples)
         return await self.score(group, samples)
@@ -380,6 +386,7 @@ class RunHarness:
             "buffer": self.buffer.state_dict(),
             "inflight": copy.deepcopy(list(self.inflight.values())),
             "signal": vars(self.signal) | {},
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -390,6 +397,8 @@ class RunHarness:
         self.ledger = Counter(state["ledger"])
         self.stats = RolloutStats(**state["stats"])
         vars(self.signal).update(state["signal"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
         self.restored = {g.ticket.index: g for g in state["inflight"]}
         self.buffer.load_state_dict(state["buffer"], [g.ticket for g in state["inflight"]])
         self.gate.version = state["version"]

@@ -179,6 +179,7 @@ class PartialRollout:
                 self.stats.resumed += 1
                 aborted = False
             server = self.servers.pick()
+            p.server = server.url
             segment = replace(params, max_tokens=params.max_tokens - len(p.tokens))
             try:
                 with self.trace.span(
@@ -218,6 +219,7 @@ class PartialRollout:
         keeps the order)."""
         for s, p in zip(samples, self.progress, strict=True):
             s.metrics["resumes"] = float(p.resumes)
+            s.metadata["server"] = p.server
         return samples
 
 

@@ -7,7 +7,9 @@ call adds one row per sample to ``RUN_DIR/samples/step_<k>.parquet``:
     step, sample_id, group_id, prompt_id, prompt, response, response_tokens,
     version_min, version_max    min/max of ``versions`` over ``loss_mask``: the policy versions
                                 that wrote the sample's tokens (null without a model token)
-    status, reward, reward_parts   ``reward/<name>`` of ``metrics``, one per reward function
+    status (its finish: ok, truncated, ...), server (``metadata["server"]``: the rollout server
+    that wrote it, the last one for a resumed response), reward, reward_parts   ``reward/<name>``
+    of ``metrics``, one per reward function
     trained, reason             reason is null for a trained sample
     trained_step, version       the step that trained it and the weight version that step
                                 produced; for a discarded sample trained_step is null and
@@ -50,6 +52,7 @@ SCHEMA = pa.schema(
         ("version_min", pa.int64()),
         ("version_max", pa.int64()),
         ("status", pa.string()),
+        ("server", pa.string()),
         ("reward", pa.float64()),
         ("reward_parts", pa.map_(pa.string(), pa.float64())),
         ("trained", pa.bool_()),
@@ -121,6 +124,7 @@ class SampleLog:
             "version_min": min(own) if own else None,
             "version_max": max(own) if own else None,
             "status": s.status,
+            "server": s.metadata.get("server"),
             "reward": s.reward,
             "reward_parts": list(parts.items()),
             "trained": trained,
@@ -194,7 +198,8 @@ def story(row: dict[str, Any], step_metrics: dict[str, Any] | None = None) -> st
         f"sample {row['sample_id']}  (group {row['group_id']}{prompt_id})",
         "prompt:",
         _indent(row["prompt"]),
-        f"response: {row['response_tokens']} tokens, status {row['status']}, {versions}",
+        f"response: {row['response_tokens']} tokens, status {row['status']}, {versions}"
+        + (f", on {row['server']}" if row.get("server") else ""),
         _indent(row["response"]),
     ]
     reward = "none (not scored)" if row["reward"] is None else f"{row['reward']:.4g}"
