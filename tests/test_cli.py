@@ -69,3 +69,11 @@ def test_a_run_that_does_not_fit_the_cluster_fails_in_seconds(tiny_model, tmp_pa
         "cluster.num_cpus=4", "telemetry.progress=false", timeout=120,
     )  # fmt: skip
     _one_line_error(r, "does not fit", "200 rollout servers", "CPU needed", "4 in the cluster")
+
+
+def test_flags_may_come_between_overrides(tmp_path):
+    r = run_cli("train", "--dry-run", "rollout.n=3", "--resume", f"run.dir={tmp_path}", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "n: 3" in r.stderr and "resume: auto" in r.stderr
+    bad = run_cli("train", "--dry-run", "rollout.n=3", "--no-such-flag", timeout=60)
+    assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr

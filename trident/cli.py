@@ -265,7 +265,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # per-file loading bars are noise
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # flags may come between the dotted overrides (``train a=1 --resume b=2``): argparse stops
+    # collecting the positional list at the flag, so the rest come back here
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if isinstance(getattr(args, "overrides", None), list) and all(
+            "=" in e and not e.startswith("-") for e in extra
+        ):
+            args.overrides += extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return args.func(args)

@@ -180,18 +180,19 @@ class RunHarness:
         self.watchdog.beat()
 
     async def finish(self) -> dict[str, Any]:
-        """Trace and pipeline summary to the run directory, final checkpoint, eval after."""
+        """Pipeline summary (over the steps), final checkpoint, trace and summary to the run
+        directory, eval after."""
         end = self.trace.now()
         self.progress.close()
         summary = pipeline_summary(
             self.trace, self.buffer, self.stats, self.router.urls, self.start, end
         )
         summary |= {"mode": self.cfg.pipeline.mode, "max_staleness": self.buffer.max_staleness}
+        self.results["final_checkpoint"] = str(await self.checkpoint("final"))
+        self.watchdog.beat()
         self.trace.write(self.run_dir / "trace.json")
         (self.run_dir / "pipeline.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.results["pipeline"] = summary
-        self.results["final_checkpoint"] = str(await self.checkpoint("final"))
-        self.watchdog.beat()
         if self.cfg.eval.before_after:
             self.results["after"] = await self.evaluate()
         return self.results
