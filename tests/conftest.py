@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,21 @@ def wait_gone(tag: str, timeout: float = 60) -> set[int]:
 def tagged_env(tag: str) -> dict[str, str]:
     """The environment for a subprocess whose processes ``tagged_processes(tag)`` finds."""
     return {**os.environ, "TRIDENT_TEST_TAG": tag}
+
+
+def start_until(
+    cmd: list[str], tag: str, ready: Callable[[], bool], timeout: float = 600
+) -> subprocess.Popen:
+    """Start ``cmd`` (tagged, output captured) and return it once ``ready()``; a process that
+    exits or takes longer first fails the test with its output."""
+    proc = subprocess.Popen(
+        cmd, env=tagged_env(tag), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError((proc.communicate()[0] or "")[-3000:] or "not ready in time")
+        time.sleep(0.2)
+    return proc

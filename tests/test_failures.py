@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, tagged_env, tagged_processes, wait_gone
+from tests.conftest import REPO, start_until, tagged_env, tagged_processes, wait_gone
 from trident.rollout.vllm_server import ServerStartError, VLLMServer
 
 
@@ -153,17 +153,10 @@ def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
     stalls the step; the watchdog dumps the stacks and stops the run with the stage that hung."""
     tag = uuid.uuid4().hex
     cmd = _train_cmd(tiny_model, tmp_path, "run.hang_timeout_s=20", "rollout.request_timeout_s=900")
-    proc = subprocess.Popen(
-        cmd, env=tagged_env(tag), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=REPO,
-    )  # fmt: skip
     metrics = tmp_path / "r" / "metrics.jsonl"
+    proc = start_until(cmd, tag, lambda: metrics.exists() and metrics.read_text().count("\n") >= 1)
     server = None
     try:
-        deadline = time.monotonic() + 400
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
         (server,) = [p for p in tagged_processes(tag) if "vllm.entrypoints" in _cmdline(p)]
         os.kill(server, signal.SIGSTOP)
         out, _ = proc.communicate(timeout=300)
@@ -181,10 +174,7 @@ def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
     (hang,) = (tmp_path / "r").glob("hang-*")
     driver = (hang / "driver.txt").read_text()
     assert "asyncio tasks" in driver and "trident/pipeline" in driver  # where the driver waits
-    assert (
-        "PolicyWorker" in (hang / "trainer_rank0.txt").read_text()
-        or "Thread" in (hang / "trainer_rank0.txt").read_text()
-    )
+    assert "PolicyWorker" in (hang / "trainer_rank0.txt").read_text()  # py-spy's dump
     assert (hang / "vllm_server_0.txt").exists()
     assert wait_gone(tag) == set()
 
@@ -192,16 +182,9 @@ def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
 def test_a_dead_trainer_rank_stops_the_run_naming_it_and_the_checkpoint(tiny_model, tmp_path):
     tag = uuid.uuid4().hex
     cmd = _train_cmd(tiny_model, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=1")
-    proc = subprocess.Popen(
-        cmd, env=tagged_env(tag), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=REPO,
-    )  # fmt: skip
     manifest = tmp_path / "r" / "checkpoints" / "step_1" / "manifest.json"
+    proc = start_until(cmd, tag, manifest.exists)
     try:
-        deadline = time.monotonic() + 400
-        while not manifest.exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
         (rank,) = [p for p in tagged_processes(tag) if "ray::PolicyWorker" in _cmdline(p)]
         os.kill(rank, signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)

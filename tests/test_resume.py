@@ -20,7 +20,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, tagged_env, wait_gone
+from tests.conftest import REPO, start_until, tagged_env, wait_gone
 from trident.telemetry.lineage import read_samples
 from trident.telemetry.metrics import read_metrics
 
@@ -57,15 +56,7 @@ def _run(cmd: list[str], tag: str) -> None:
 
 def _kill_when(cmd: list[str], tag: str, ready) -> None:
     """Start ``cmd``; SIGKILL the driver as soon as ``ready()``; no process may be left."""
-    proc = subprocess.Popen(
-        cmd, env=tagged_env(tag), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        cwd=REPO,
-    )  # fmt: skip
-    deadline = time.monotonic() + 600
-    while not ready():
-        assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
-        assert time.monotonic() < deadline, "the run never reached the point to kill it at"
-        time.sleep(0.2)
+    proc = start_until(cmd, tag, ready)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     # Ray's reaper, and the servers' death signals (every vLLM process), clean up
