@@ -308,10 +308,13 @@ def test_eta_zero_is_the_sync_schedule() -> None:
         make_group = sim_group_maker(fleet, gate, trace, stats, sc.n, 300, 0.05)
         buffer = RolloutBuffer(sc.groups_per_step, 0, sc.groups_per_step * sc.steps)
 
+        steps: list[int] = []
+
         async def on_step(step: int, samples: list[Sample], metrics: dict) -> None:
-            pass
+            steps.append(step)
 
         await run_sync(buffer, gate, make_group, trainer, sc.steps, trace, on_step)
+        assert steps == list(range(sc.steps))
         return trainer
 
     reference = run_virtual(sync_loop())

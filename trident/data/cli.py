@@ -8,6 +8,7 @@ the prompt and the answer format can be read before training on it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 
@@ -17,12 +18,10 @@ def task_names() -> list[str]:
     from trident.data.tasks import GYM_PREFIX, TASKS
 
     names = sorted(TASKS)
-    try:
+    with contextlib.suppress(ImportError):  # reasoning-gym is an extra (``trident[gym]``)
         from trident.data.gym import dataset_names
 
         names += [GYM_PREFIX + n for n in dataset_names()]
-    except ImportError:
-        pass
     return names
 
 

@@ -262,8 +262,9 @@ class RunHarness:
         del self.inflight[group.ticket.index]
         self.generated += samples
         kept = trainable(samples, self.cfg.reward.exclude_infra_errors)
+        kept_ids = {id(s) for s in kept}  # identity: equal-looking samples are still two samples
         for s in samples:
-            if s not in kept:
+            if id(s) not in kept_ids:
                 self.discard("infra_error" if s.status == "infra_error" else "untrainable", s)
         if self.cfg.algo.dynamic_sampling and kept and not self.signal.keep(kept):
             for s in kept:
