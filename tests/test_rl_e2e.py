@@ -2,7 +2,10 @@
 addition from the demo's warm-up (``demo_sft_model``: the arithmetic is learned, the answers come
 in three styles and only ``Answer: N`` is accepted). The reward is the task's verifier plus a
 format reward (DeepSeek-R1 style). This is the GRPO learning test of the algorithms: accuracy
-must rise within 12 steps, on the training samples and on held-out prompts."""
+must rise within 20 steps, on the training samples and on held-out prompts. (20, not 12: the
+warm-up the installed libraries produce now starts at ~36% held-out instead of ~54%, and from
+there 12 steps left the rise of training accuracy within run-to-run noise: 0.27 -> 0.30 in one
+fresh-clone run.)"""
 
 import json
 from pathlib import Path
@@ -14,7 +17,7 @@ from trident.models.load import load_causal_lm
 from trident.pipeline.run import run_train
 from trident.telemetry.metrics import read_metrics
 
-STEPS = 12
+STEPS = 20
 
 # Step-0 engine-vs-trainer mismatch bound. Both sides run the same float32 weights; measured here:
 # mean |Δlogp| ≈ 1e-7, max ≈ 4e-6 (kernel and summation-order differences only). 1e-4 on the mean
@@ -37,7 +40,7 @@ def grpo_run(demo_sft_model, tmp_path_factory):
             "trainer.warmup_steps=2",
             "trainer.cpu_threads=1",
             "reward.fns=[{name: task, weight: 1.0}, {name: format, weight: 0.5}]",
-            "checkpoint.every=5",
+            "checkpoint.every=10",
             "checkpoint.keep_last=1",
             "eval.max_prompts=100",
             "telemetry.progress=false",

@@ -90,7 +90,12 @@ class WandbSink:
         self.run.log(record, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() can return before W&B's service process has written the run's log (seen with
+        # wandb 0.31: an offline log still 7 bytes long); teardown waits for that process to exit
+        wandb.teardown()
 
 
 class MlflowSink:
