@@ -3,13 +3,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: setup demo agent-demo test test-slow test-all lint format bench clean
+.PHONY: setup demo demo-gym agent-demo test test-slow test-all lint format bench clean
 
 setup:
 	@./scripts/setup
 
 demo: setup
 	@PATH=$(CURDIR)/$(BIN):$$PATH ./scripts/demo
+
+demo-gym: setup
+	@PATH=$(CURDIR)/$(BIN):$$PATH ./scripts/demo_gym
 
 agent-demo: setup
 	@PATH=$(CURDIR)/$(BIN):$$PATH ./scripts/agent_demo

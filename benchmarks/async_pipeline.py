@@ -257,10 +257,19 @@ class SimFleet:
 
     def __init__(self, servers: list[SimServer]) -> None:
         self.servers = servers
-        self.urls = [s.url for s in servers]
+        self.urls = self.up_urls = [s.url for s in servers]
 
     def pick(self, session_id: str | None = None) -> SimServer:
         return min(self.servers, key=lambda s: s.outstanding)
+
+    async def available(self) -> None:
+        return  # simulated servers never die
+
+    async def failed(self, server: SimServer, error: BaseException) -> bool:
+        return False
+
+    async def check(self) -> int:
+        return 0
 
     async def abort(self) -> int:
         return sum(s.abort_all() for s in self.servers)
@@ -309,7 +318,7 @@ class SimTrainer:
         self.version += 1
         return {"loss": self.losses[-1]}
 
-    async def sync_weights(self, version: int) -> dict[str, float]:
+    async def sync_weights(self, version: int, urls: list[str] | None = None) -> dict[str, float]:
         for server in self.fleet.servers:
             server.pause()
         await asyncio.sleep(self.timing.sync_s)

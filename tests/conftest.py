@@ -146,3 +146,35 @@ def start_until(
             raise AssertionError((proc.communicate()[0] or "")[-3000:] or "not ready in time")
         time.sleep(0.2)
     return proc
+
+
+class Run:
+    """``trident train`` in a subprocess (tagged, see ``tagged_processes``), its output in a file
+    (a pipe nobody reads while the test waits would fill up and stall the run)."""
+
+    def __init__(self, cmd: list[str], tag: str, run_dir: Path) -> None:
+        self.out_path = run_dir / "output.txt"
+        with self.out_path.open("w") as out:
+            self.proc = subprocess.Popen(
+                cmd, env=tagged_env(tag), stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+            )
+
+    @property
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def wait_for(self, ready, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(self.output[-3000:] or "not ready in time")
+            time.sleep(0.2)
+
+    def finish(self, timeout: float = 600) -> str:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        return self.output

@@ -94,7 +94,7 @@ def test_partial_rollout_versions_match_the_weights_that_generated_each_token(
         generation = asyncio.create_task(partial.generate(prompt, params))
         # about 100 tokens under version 0, many still to come (speed measured, not assumed)
         await asyncio.sleep(3 * per_32_tokens)
-        await gate.update(1, lambda: asyncio.to_thread(push_v1))
+        await gate.update(1, lambda urls: asyncio.to_thread(push_v1))
         completions = await generation
         await router.aclose()
         return completions, partial, stats

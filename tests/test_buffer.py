@@ -361,7 +361,7 @@ def test_partial_rollout_tags_each_segment_with_its_version() -> None:
         task = asyncio.create_task(sample)
         for version in (1, 2):
             await asyncio.sleep(1.0)  # 100 tokens at 10 ms each
-            await gate.update(version, lambda v=version: trainer.sync_weights(v))
+            await gate.update(version, lambda urls, v=version: trainer.sync_weights(v, urls))
         completion = await task
         assert completion.token_ids == completion.versions == progress.versions
         return progress.versions, progress.resumes

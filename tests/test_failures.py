@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, start_until, tagged_env, tagged_processes, wait_gone
+from tests.conftest import REPO, Run, start_until, tagged_env, tagged_processes, wait_gone
 from trident.rollout.vllm_server import ServerStartError, VLLMServer
 
 
@@ -152,7 +152,11 @@ def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
     """A rollout server that stops answering (SIGSTOP: its requests neither finish nor fail)
     stalls the step; the watchdog dumps the stacks and stops the run with the stage that hung."""
     tag = uuid.uuid4().hex
-    cmd = _train_cmd(tiny_model, tmp_path, "run.hang_timeout_s=20", "rollout.request_timeout_s=900")
+    # no health check: a stopped server would be taken out and restarted (test_server_recovery)
+    cmd = _train_cmd(
+        tiny_model, tmp_path, "run.hang_timeout_s=20", "rollout.request_timeout_s=900",
+        "rollout.health_check_s=0",
+    )  # fmt: skip
     metrics = tmp_path / "r" / "metrics.jsonl"
     proc = start_until(cmd, tag, lambda: metrics.exists() and metrics.read_text().count("\n") >= 1)
     server = None
@@ -179,20 +183,41 @@ def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
     assert wait_gone(tag) == set()
 
 
-def test_a_dead_trainer_rank_stops_the_run_naming_it_and_the_checkpoint(tiny_model, tmp_path):
+def test_a_dead_trainer_rank_restarts_the_run_then_stops_it_naming_it(tiny_model, tmp_path):
+    """``run.max_restarts=1``: the first death of a rank restarts everything from the newest
+    checkpoint (the steps go on from there); the second stops the run with one line naming the
+    rank and the checkpoint to resume from."""
     tag = uuid.uuid4().hex
-    cmd = _train_cmd(tiny_model, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=1")
-    manifest = tmp_path / "r" / "checkpoints" / "step_1" / "manifest.json"
-    proc = start_until(cmd, tag, manifest.exists)
+    cmd = _train_cmd(
+        tiny_model, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=1", "run.max_restarts=1"
+    )
+    checkpoints = tmp_path / "r" / "checkpoints"
+    metrics = tmp_path / "r" / "metrics.jsonl"
+
+    def ranks() -> list[int]:
+        return [p for p in tagged_processes(tag) if "ray::PolicyWorker" in _cmdline(p)]
+
+    def steps() -> list[int]:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        return [json.loads(line)["step"] for line in lines]
+
+    run = Run(cmd, tag, tmp_path)
     try:
-        (rank,) = [p for p in tagged_processes(tag) if "ray::PolicyWorker" in _cmdline(p)]
-        os.kill(rank, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=300)
+        run.wait_for((checkpoints / "step_1" / "manifest.json").exists)
+        (first,) = ranks()
+        os.kill(first, signal.SIGKILL)
+        # the restarted run: a new rank, and a checkpoint beyond the one it resumed from
+        run.wait_for(lambda: (checkpoints / "step_3" / "manifest.json").exists())
+        (second,) = ranks()
+        assert second != first
+        os.kill(second, signal.SIGKILL)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 2, out[-3000:]
+        out = run.finish(timeout=300)
+    assert run.proc.returncode == 2, out[-3000:]
+    assert out.count("trainer rank 0 died during") >= 2 and "restarting from " in out, out[-3000:]
     last = out.strip().splitlines()[-1]
-    assert "trainer rank 0 died during" in last and f"(pid {rank})" in last, last
+    assert "trainer rank 0 died during" in last and f"(pid {second})" in last, last
     assert "resume from " in last and "/checkpoints/step_" in last and "--resume" in last, last
+    done = steps()
+    assert done == list(range(len(done))) and len(done) >= 3  # one log, no step twice
     assert wait_gone(tag, timeout=180) == set()

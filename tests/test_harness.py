@@ -41,8 +41,11 @@ class RecordingTrainer:
         self.steps.append(sorted(s.id for s in samples))
         return await self.group.train_step(samples)
 
-    async def sync_weights(self, version: int) -> dict[str, float]:
-        return await self.group.sync_weights(version)
+    async def sync_weights(self, version: int, urls: list[str]) -> dict[str, float]:
+        return await self.group.sync_weights(version, urls)
+
+    async def rejoin(self, url: str) -> dict[str, float]:
+        return await self.group.rejoin(url)
 
     async def save(self, out_dir: Path) -> None:
         await self.group.save(out_dir)

@@ -77,6 +77,12 @@ def test_gym_task_rows_splits_and_scores(name, kwargs, answer_in):
     assert all(status == "ok" and score < 0.5 for score, status in untagged), untagged
 
 
+def test_without_the_system_prompt_the_prompt_is_the_question_alone():
+    overrides = [*_data_overrides("chain_sum", {}), "data.system_prompt=false"]
+    (row,) = load_split(load_config([], overrides).data, "test", seed=1)[:1]
+    assert row["prompt"] == [{"role": "user", "content": row["entry"]["question"]}]
+
+
 def test_reasoning_gym_reward_by_name_and_not_applicable_elsewhere():
     cfg = load_config([], [*_data_overrides("chain_sum", {}), "reward.fns=[{name: reasoning_gym}]"])
     row = load_split(cfg.data, "test")[0]

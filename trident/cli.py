@@ -229,6 +229,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from trident.data.loaders import DataError
     from trident.models.load import ModelPathError
     from trident.pipeline.harness import LedgerError
+    from trident.pipeline.recovery import ServerDiedError
     from trident.pipeline.watchdog import HangError
     from trident.rollout.engine import EngineError
     from trident.rollout.vllm_server import ServerStartError
@@ -246,6 +247,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
         TrainerRankError,
         HangError,
         LedgerError,
+        ServerDiedError,
         EngineError,
         WeightSyncError,
         FileNotFoundError,

@@ -54,6 +54,12 @@ class RunConfig(Section):
         description="Seeded sampling per sample, deterministic torch kernels and a fixed batch "
         "order, so a run (and its resume) reproduces rewards and losses; slower.",
     )
+    max_restarts: int = Field(
+        default=0,
+        ge=0,
+        description="When a trainer rank dies: restart everything from the newest checkpoint "
+        "this many times (an automatic --resume); 0 = stop with the checkpoint to resume from.",
+    )
 
 
 class ModelConfig(Section):
@@ -90,6 +96,10 @@ class DataConfig(Section):
     task_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Config of a `reasoning_gym:NAME` task (the fields of its dataset config, e.g. `{min_terms: 2, max_terms: 3}`).",
+    )
+    system_prompt: bool = Field(
+        default=True,
+        description="A `reasoning_gym:NAME` prompt starts with reasoning-gym's answer-format instruction (off: the question alone, ~300 tokens shorter, for small models).",
     )
     train_path: str = Field(
         default="",
@@ -225,6 +235,19 @@ class RolloutConfig(Section):
     )
     extra_server_args: list[str] = Field(
         default_factory=list, description="Extra command-line arguments for the vLLM server."
+    )
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="Restarts per server after it dies (then the run stops with its log); "
+        "each restarted server is brought to the served weights, verified, and rejoins. "
+        "Keeps a CPU copy of the served weights on trainer rank 0 (0 = off).",
+    )
+    health_check_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="Seconds between health checks of each server (two misses in a row take "
+        "it out); a failed request checks at once (0 = only on failures).",
     )
 
 

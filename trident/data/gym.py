@@ -6,7 +6,8 @@ Every dataset of ``reasoning_gym`` (0.1.25: 106 of them, arithmetic to logic, gr
 weight, config}, ...]}``).
 
 Rows: the prompt is reasoning-gym's own answer-format instruction (its ``default`` system
-prompt: the final answer inside ``<answer></answer>``) and the question; ``answer`` is the
+prompt: the final answer inside ``<answer></answer>``; ``data.system_prompt=false`` leaves it
+out) and the question; ``answer`` is the
 dataset's reference answer (None for puzzles with many solutions); ``entry`` is the whole
 generated item and ``gym_config`` the task kwargs, so the ``reasoning_gym`` reward
 (``trident.rewards.gym``) can rebuild the dataset and call its own ``score_answer``.
@@ -76,6 +77,9 @@ class GymTask:
     dataset: str
     config: dict[str, Any] = field(default_factory=dict)
     reward: str = "reasoning_gym"
+    system_prompt: bool = (
+        True  # reasoning-gym's answer-format instruction first (data.system_prompt)
+    )
 
     @property
     def name(self) -> str:
@@ -91,7 +95,7 @@ class GymTask:
         # Test keeps 1 in 8 questions, train 7 in 8; generate enough for either, with margin.
         size = 10 * n + 100 if split == "test" else 2 * n + 100
         dataset = make_dataset(self.dataset, self.config, seed=split_seed, size=size)
-        system = _system_prompt()
+        system = [{"role": "system", "content": _system_prompt()}] if self.system_prompt else []
         rows, seen = [], set()
         for i in range(size):
             entry = dataset[i]
@@ -102,10 +106,7 @@ class GymTask:
             rows.append(
                 {
                     "id": f"{self.name}-{split}-{len(rows)}",
-                    "prompt": [
-                        {"role": "system", "content": system},
-                        {"role": "user", "content": question},
-                    ],
+                    "prompt": [*system, {"role": "user", "content": question}],
                     "answer": entry["answer"],
                     "entry": entry,
                     "gym_config": dict(self.config),

@@ -268,6 +268,7 @@ def load_split(data_cfg: Any, split: str, seed: int = 0) -> list[Row]:
     task = get_task(data_cfg.task, **data_cfg.task_kwargs)
     try:
         if isinstance(task, GymTask):
+            task.system_prompt = data_cfg.system_prompt
             rows = task.generate(split, n, seed)
         else:
             rows = generate_split(task, split, n, seed)

@@ -6,14 +6,18 @@ A weight update, in every mode (``WeightGate.update``):
 2. abort every in-flight request (``/abort_requests``) and wait until each has come back with its
    partial output; the abort is repeated until nothing of ours is in flight, because a request
    still on its way into the engine misses an abort;
-3. push and verify the new weights (``PolicyWorker.sync_weights``);
+3. push and verify the new weights (``PolicyWorker.sync_weights``) on the servers that are up (a
+   server being restarted gets the served version when it rejoins: ``trident.pipeline.recovery``);
+   a server that died since its last request is found by a health check first, and one that dies
+   during the push fails it, is taken out, and the push is repeated once without it;
 4. reset every server's prefix cache (``/reset_prefix_cache``), so no request reuses KV blocks
    computed by the old weights (a prompt seen again in a later epoch would otherwise be served
    from the old policy's cache);
 5. bump the served version and open the gate.
 
 In ``sync`` and ``colocate_async`` nothing is in flight when a step installs its weights, so
-steps 1-2 cost nothing; in ``separate_async`` they are what makes partial rollout exact.
+steps 1-2 cost nothing; in ``separate_async`` they are what makes partial rollout exact. One
+update or rejoin at a time (``exclusive``).
 """
 
 from __future__ import annotations
@@ -44,8 +48,21 @@ class ServerPool(Protocol):
     @property
     def urls(self) -> list[str]: ...
 
+    @property
+    def up_urls(self) -> list[str]:
+        """The servers a weight update goes to (the others are down, being restarted)."""
+        ...
+
     def pick(self, session_id: str | None = None) -> Server:
-        """Called for each request: the least-loaded server (sticky per session)."""
+        """Called for each request: the least-loaded server that is up (sticky per session)."""
+        ...
+
+    async def available(self) -> None:
+        """Called before each request: returns once a server is up (one may be restarting)."""
+        ...
+
+    async def failed(self, server: Server, error: BaseException) -> bool:
+        """Called when a request fails: True if ``server`` is down (resubmit elsewhere)."""
         ...
 
     async def abort(self) -> int:
@@ -54,6 +71,11 @@ class ServerPool(Protocol):
 
     async def reset_prefix_cache(self) -> bool:
         """Called by a weight update once nothing is in flight."""
+        ...
+
+    async def check(self) -> int:
+        """Called by a weight update before it pushes (and after a push fails): take out the
+        servers that do not answer; returns how many."""
         ...
 
 
@@ -67,6 +89,11 @@ class WeightGate:
         self._open.set()
         self._drained = asyncio.Event()
         self._drained.set()
+        self._lock = asyncio.Lock()  # one update (or a restarted server's rejoin) at a time
+
+    def exclusive(self) -> asyncio.Lock:
+        """Held by ``update``; a rejoining server holds it too (``async with gate.exclusive()``)."""
+        return self._lock
 
     async def enter(self) -> int:
         """Called before each request segment; returns the version that will serve it."""
@@ -97,16 +124,27 @@ class WeightGate:
         written)."""
         self._open.set()
 
-    async def update(
-        self, version: int, push: Callable[[], Awaitable[dict[str, float]]]
-    ) -> dict[str, float]:
-        """Install ``version`` with ``push()`` while nothing generates; reopen afterwards."""
+    async def _push(self, push: Callable[[list[str]], Awaitable[dict[str, float]]]) -> dict:
+        await self.servers.check()
         try:
-            aborted = await self.close_and_drain()
-            metrics = await push()
-            if not await self.servers.reset_prefix_cache():
-                raise EngineError("a server refused /reset_prefix_cache with nothing in flight")
-            self.version = version
-        finally:
-            self._open.set()
+            return await push(self.servers.up_urls)
+        except Exception:
+            if not await self.servers.check():  # every server answers: the push itself failed
+                raise
+        return await push(self.servers.up_urls)
+
+    async def update(
+        self, version: int, push: Callable[[list[str]], Awaitable[dict[str, float]]]
+    ) -> dict[str, float]:
+        """Install ``version`` with ``push(urls)`` (the servers up) while nothing generates;
+        reopen afterwards."""
+        async with self._lock:
+            try:
+                aborted = await self.close_and_drain()
+                metrics = await self._push(push)
+                if not await self.servers.reset_prefix_cache():
+                    raise EngineError("a server refused /reset_prefix_cache with nothing in flight")
+                self.version = version
+            finally:
+                self._open.set()
         return {**metrics, "aborted_requests": float(aborted)}

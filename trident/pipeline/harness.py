@@ -58,9 +58,10 @@ from trident.pipeline.metrics import (
     trained_metrics,
 )
 from trident.pipeline.progress import StepProgress
+from trident.pipeline.recovery import Fleet, Rejoiner, ServerRecovery
 from trident.pipeline.stages import GroupMaker, Schedule, Trainer
 from trident.pipeline.watchdog import Watchdog
-from trident.rollout.engine import FinishReason, RolloutEngine, SamplingParams
+from trident.rollout.engine import EngineError, FinishReason, RolloutEngine, SamplingParams
 from trident.rollout.router import Router
 from trident.sample import Sample
 from trident.telemetry.lineage import SampleLog
@@ -69,9 +70,9 @@ from trident.telemetry.trace import Trace
 from trident.weights.backend import weight_backend
 
 
-class RunTrainer(Trainer, Protocol):
+class RunTrainer(Trainer, Rejoiner, Protocol):
     """The trainer as the harness sees it (``trident.train.group.TrainerGroup``): the schedule's
-    two calls plus connecting and checkpointing."""
+    two calls plus connecting, checkpointing and bringing back a restarted server."""
 
     async def connect(self, urls: list[str], backend: str) -> None:
         """Called once by ``begin``, before the first install."""
@@ -126,7 +127,10 @@ class RunHarness:
         trainer: RunTrainer,
         log: MetricsLogger,
         pids: dict[str, int] | None = None,
+        fleet: Fleet | None = None,
     ) -> None:
+        """``fleet``: what restarts a dead rollout server (without one, a dead server stops the
+        run)."""
         p = cfg.pipeline
         self.cfg, self.router, self.trainer, self.log = cfg, router, trainer, log
         self.run_dir = Path(cfg.derived.run_dir)
@@ -142,6 +146,12 @@ class RunHarness:
             max_running=p.max_running_groups or None,
         )
         self.gate = WeightGate(router)
+        rc = cfg.rollout
+        self.recovery = (
+            ServerRecovery(router, self.gate, trainer, fleet, rc.max_restarts, rc.health_check_s)
+            if fleet is not None
+            else None
+        )
         self.signal = SignalFilter(p.dynamic_sampling_max_dropped or 2 * p.prompts_per_step)
         self.progress = StepProgress(p.steps, enabled=cfg.telemetry.progress)
         t = cfg.telemetry
@@ -156,6 +166,7 @@ class RunHarness:
         self.restored: dict[int, InFlight] = {}  # groups a resumed run generates again
         self.start = self.step_start = 0.0
         self.watchdog = Watchdog(cfg.run.hang_timeout_s, self.run_dir, self.trace, pids)
+        self._health: asyncio.Task | None = None
 
     # -- set-up and tear-down -------------------------------------------------------------------
 
@@ -170,7 +181,7 @@ class RunHarness:
                 await self.trainer.load(resume_from)
                 self.load_state_dict(read_run_state(resume_from))
         version = self.buffer.version
-        await self.gate.update(version, lambda: self.trainer.sync_weights(version))
+        await self.gate.update(version, lambda urls: self.trainer.sync_weights(version, urls))
         before = self.run_dir / "eval_before.json"
         if resume_from is not None and before.exists():
             self.results["before"] = json.loads(before.read_text())
@@ -178,6 +189,17 @@ class RunHarness:
             self.results["before"] = await self.evaluate()
         self.start = self.step_start = self.trace.now()
         self.watchdog.beat()
+        if self.recovery is not None:
+            self._health = asyncio.create_task(self.recovery.watch())
+
+    async def close(self) -> None:
+        """Stop the health check and any server recovery under way (after ``finish`` or an
+        error)."""
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.gather(self._health, return_exceptions=True)
+        if self.recovery is not None:
+            await self.recovery.close()
 
     async def finish(self) -> dict[str, Any]:
         """Pipeline summary (over the steps), final checkpoint, trace and summary to the run
@@ -243,9 +265,17 @@ class RunHarness:
         """A ``GroupMaker`` for schedules without weight updates mid-generation: the whole group
         (all its trajectories' turns) on one server."""
         group = self.open_group(ticket)
-        server = self.router.pick()
-        with self.trace.span("generate", f"rollout {server.url}", version=ticket.version):
-            samples = await self.generate(server, group)
+        while True:
+            await self.router.available()
+            server = self.router.pick()
+            try:
+                with self.trace.span("generate", f"rollout {server.url}", version=ticket.version):
+                    samples = await self.generate(server, group)
+                break
+            except EngineError as e:  # its server died: the whole group again, on another
+                if not await self.router.failed(server, e):
+                    raise
+                self.stats.resubmitted += 1
         for s in samples:
             s.metadata["server"] = server.url
         self.stats.segments += 1
@@ -294,6 +324,8 @@ class RunHarness:
             metrics |= self.signal.metrics()
         metrics |= staleness_metrics(samples, step, self.buffer.max_staleness)
         metrics |= self.stats.metrics()
+        if self.recovery is not None:
+            metrics |= self.recovery.metrics()
         wall = max(now - self.step_start, 1e-9)
         metrics |= {
             "version": float(step + 1),

@@ -92,6 +92,7 @@ class RolloutStats:
     aborted: int = 0
     resumed: int = 0
     failed_segments: int = 0
+    resubmitted: int = 0  # requests whose server died, sent again to another (or it restarted)
     generated_tokens: int = 0
 
     def metrics(self) -> dict[str, float]:
@@ -99,6 +100,7 @@ class RolloutStats:
             "rollout/segments": float(self.segments),
             "rollout/aborted": float(self.aborted),
             "rollout/resumed": float(self.resumed),
+            "rollout/resubmitted": float(self.resubmitted),
             "rollout/generated_tokens": float(self.generated_tokens),
         }
 
@@ -128,6 +130,7 @@ def pipeline_summary(
         "aborted_requests": stats.aborted,
         "resumed_requests": stats.resumed,
         "failed_requests": stats.failed_segments,
+        "resubmitted_requests": stats.resubmitted,
         "generated_tokens": stats.generated_tokens,
         "trained_tokens": buffer.stats.trained_tokens,
         "tokens_thrown_away": thrown_away,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from trident.cluster.ray_cluster import check_fits, init_ray
 from trident.config import TridentConfig, save_config
 from trident.pipeline import checkpoint, colocate_async, separate_async, sync
 from trident.pipeline.harness import RunHarness, RunTrainer
+from trident.pipeline.recovery import Fleet
 from trident.rollout.fleet import RolloutFleet
 from trident.rollout.router import Router
 from trident.telemetry.metrics import MetricsLogger
@@ -32,7 +34,27 @@ DRIVERS: dict[str, Callable[[RunHarness], Awaitable[None]]] = {
 
 def run_train(cfg: TridentConfig) -> dict[str, Any]:
     """Start Ray, the servers and the trainer; run the harness and the driver; stop everything.
-    Returns the harness's results (evals before/after, final checkpoint, pipeline summary)."""
+    Returns the harness's results (evals before/after, final checkpoint, pipeline summary).
+
+    A trainer rank that dies stops the run with the checkpoint to resume from; with
+    ``run.max_restarts`` the run resumes from it by itself (everything restarted: exact, like
+    ``--resume``), that many times."""
+    for restart in range(cfg.run.max_restarts + 1):
+        try:
+            return _run_once(cfg)
+        except TrainerRankError as e:
+            ckpt = checkpoint.newest(Path(cfg.derived.run_dir))
+            if restart == cfg.run.max_restarts or ckpt is None:
+                raise
+            print(
+                f"{e}: restarting from {ckpt} ({restart + 1}/{cfg.run.max_restarts})",
+                file=sys.stderr,
+            )
+            cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+    raise AssertionError("unreachable")
+
+
+def _run_once(cfg: TridentConfig) -> dict[str, Any]:
     run_dir = Path(cfg.derived.run_dir)
     resume_from = checkpoint.prepare_run_dir(cfg)  # refuse, empty or resume: before anything
     save_config(cfg, run_dir)  # the run directory is complete whatever started the run
@@ -51,7 +73,9 @@ def run_train(cfg: TridentConfig) -> dict[str, Any]:
             TrainerGroup(cfg) as trainer,
         ):
             pids = fleet.pids() | trainer.pids
-            results = asyncio.run(run(cfg, fleet.router, trainer, log, resume_from, pids))
+            results = asyncio.run(
+                run(cfg, fleet.router, trainer, log, resume_from, pids, fleet=fleet)
+            )
     finally:
         log.close()
         if started_ray and not cfg.cluster.address:
@@ -80,15 +104,19 @@ async def run(
     log: MetricsLogger,
     resume_from: Path | None = None,
     pids: dict[str, int] | None = None,
+    fleet: Fleet | None = None,
 ) -> dict[str, Any]:
     """The run on servers and a trainer that are up: begin (from ``resume_from``, a
     checkpoint, when given), the schedule, finish; all under the hang watchdog (``pids``: the
-    processes whose stacks it dumps)."""
-    harness = RunHarness(cfg, router, trainer, log, pids)
+    processes whose stacks it dumps). ``fleet`` restarts a server that dies."""
+    harness = RunHarness(cfg, router, trainer, log, pids, fleet)
 
     async def body() -> dict[str, Any]:
-        await harness.begin(resume_from)
-        await DRIVERS[cfg.pipeline.mode](harness)
-        return await harness.finish()
+        try:
+            await harness.begin(resume_from)
+            await DRIVERS[cfg.pipeline.mode](harness)
+            return await harness.finish()
+        finally:
+            await harness.close()
 
     return await harness.watchdog.guard(body())

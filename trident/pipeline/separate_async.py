@@ -17,7 +17,9 @@ aborted is resubmitted as prompt + partial output with ``max_tokens`` reduced by
 has, once the gate opens again; its KV cache is recomputed by prefill under the new weights. Each
 segment's tokens carry the version the segment was admitted under, and since weights change only
 while nothing is in flight, that is the version that produced them. The Sample's ``versions``
-thus differ along one response; ``metrics["resumes"]`` counts its interruptions.
+thus differ along one response; ``metrics["resumes"]`` counts its interruptions. A request whose
+server died is resubmitted the same way, from its prefix, to a server that is up
+(``trident.pipeline.recovery``).
 
 Off-policy correction: the trainer recomputes log π_prox with the weights it is about to update
 and weights each token by min(π_prox/μ, cap) (``algo.is_*``, token TIS by default), μ being the
@@ -44,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from trident.pipeline.buffer import GroupTicket, RolloutBuffer
-from trident.pipeline.gate import ServerPool, WeightGate
+from trident.pipeline.gate import Server, ServerPool, WeightGate
 from trident.pipeline.harness import Progress, RunHarness
 from trident.pipeline.metrics import RolloutStats
 from trident.pipeline.stages import (
@@ -174,28 +176,38 @@ class PartialRollout:
         while p.finish is None:
             if p.resumes > MAX_RESUMES:
                 raise EngineError(f"a request came back aborted {MAX_RESUMES} times")
+            await self.servers.available()  # outside the gate: an update need not wait for it
             version = await self.gate.enter()
             if aborted:
                 self.stats.resumed += 1
                 aborted = False
-            server = self.servers.pick()
-            p.server = server.url
-            segment = replace(params, max_tokens=params.max_tokens - len(p.tokens))
+            server: Server | None = None
+            out: Completion | None = None
+            error = EngineError("no answer")
             try:
+                server = self.servers.pick()
+                p.server = server.url
+                segment = replace(params, max_tokens=params.max_tokens - len(p.tokens))
                 with self.trace.span(
                     "generate", f"rollout {server.url}", version=version, prefix=len(p.tokens)
                 ):
                     (out,) = await server.generate(prompt_ids + p.tokens, segment)
-            except EngineError:
+            except EngineError as e:
+                error = e
+            finally:
+                self.gate.leave()
+            if out is None:
+                self.stats.failed_segments += 1
+                if server is None or await self.servers.failed(server, error):
+                    # its server is down (or none was up): resubmit the prefix elsewhere
+                    self.stats.resubmitted += 1
+                    continue
                 # A dropped connection (e.g. a keep-alive socket the server just closed) loses
                 # at most this segment: resume from what came back before, a few times.
                 failures += 1
-                self.stats.failed_segments += 1
                 if failures > MAX_SEGMENT_FAILURES:
-                    raise
+                    raise error
                 continue
-            finally:
-                self.gate.leave()
             failures = 0
             p.tokens += out.token_ids
             p.logprobs += out.logprobs

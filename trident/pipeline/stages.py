@@ -25,8 +25,9 @@ class Trainer(Protocol):
         """Called once per step with the step's samples (whole groups)."""
         ...
 
-    async def sync_weights(self, version: int) -> dict[str, float]:
-        """Called after each step, with every server idle: push ``version`` and verify it."""
+    async def sync_weights(self, version: int, urls: list[str]) -> dict[str, float]:
+        """Called after each step, with every server idle: push ``version`` to ``urls`` (the
+        servers up) and verify it."""
         ...
 
 
@@ -97,6 +98,6 @@ async def install(
     """Push and verify ``version`` through the gate; the buffer then admits for it."""
     start = trace.now()
     with trace.span("weight sync", "trainer", version=version):
-        sync = await gate.update(version, lambda: trainer.sync_weights(version))
+        sync = await gate.update(version, lambda urls: trainer.sync_weights(version, urls))
     buffer.advance(version)
     return {f"sync/{k}": v for k, v in sync.items()} | {"time/sync_s": trace.now() - start}

@@ -1,6 +1,7 @@
 """The rollout servers as Ray actors: ``RolloutFleet`` starts ``rollout.num_servers`` vLLM
 servers inside ``RolloutServerActor``s (so they land on whichever node has room), hands out a
-``Router`` over them, and stops them on exit, exception or Ctrl-C."""
+``Router`` over them, restarts one that died (``restart``: same node, same port), and stops them
+on exit, exception or Ctrl-C."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ class RolloutServerActor:
 
     def healthy(self) -> bool:
         return self.server.healthy()
+
+    def restart(self, timeout_s: float) -> str:
+        """Stop what is left of the server (its whole process group) and start it again on
+        the same port, from the model path (the caller then pushes the served weights)."""
+        self.server.stop()
+        return self.server.start(timeout_s)
 
     def stop(self) -> None:
         self.server.stop()
@@ -76,7 +83,7 @@ class RolloutFleet(AbstractContextManager):
             for port in filter(None, ports):
                 check_port_free(port)
         for i, port in enumerate(ports):
-            log = str((self.log_dir / f"vllm_server_{i}.log").resolve())
+            log = str(self.log_path(i).resolve())
             actor = RolloutServerActor.options(**res).remote(
                 self.model_path, log, {**options, "port": port}
             )
@@ -96,6 +103,19 @@ class RolloutFleet(AbstractContextManager):
             ) from None
         self._router = Router([VLLMClient(u, timeout_s=rc.request_timeout_s) for u in urls])
         return self
+
+    async def restart(self, i: int) -> VLLMClient:
+        """Restart server ``i`` (same url); a client for it once it answers ``/health``. Raises
+        ``ServerStartError`` with its log tail if it does not come back."""
+        rc = self.cfg.rollout
+        try:
+            url = await self.actors[i].restart.remote(rc.startup_timeout_s)
+        except RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+        return VLLMClient(url, timeout_s=rc.request_timeout_s)
+
+    def log_path(self, i: int) -> Path:
+        return self.log_dir / f"vllm_server_{i}.log"
 
     def pids(self) -> dict[str, int]:
         """Each server's process id, by log name (read once, while the servers answer)."""

@@ -62,10 +62,12 @@ class TrainerGroup(AbstractContextManager):
         }
         return self
 
-    async def _all(self, method: str, *args: Any) -> Any:
-        """``method`` on every rank; rank 0's result. A rank that dies fails the call at once,
-        naming it, even while the others wait for it in a collective (they are killed on exit)."""
-        calls = [asyncio.ensure_future(getattr(w, method).remote(*args)) for w in self.workers]
+    async def _all(self, method: str, *args: Any, ranks: int | None = None) -> Any:
+        """``method`` on every rank (the first ``ranks``); rank 0's result. A rank that dies
+        fails the call at once, naming it, even while the others wait for it in a collective
+        (they are killed on exit)."""
+        workers = self.workers[:ranks]
+        calls = [asyncio.ensure_future(getattr(w, method).remote(*args)) for w in workers]
         try:
             results = await asyncio.gather(*calls)
         except RayActorError:
@@ -91,9 +93,15 @@ class TrainerGroup(AbstractContextManager):
             s.metrics["advantage"], s.metrics["mismatch"] = advantage, mismatch
         return metrics
 
-    async def sync_weights(self, version: int) -> dict[str, float]:
-        """``PolicyWorker.sync_weights``: push ``version`` to every server and verify it."""
-        return await self._all("sync_weights", version)
+    async def sync_weights(self, version: int, urls: list[str] | None = None) -> dict[str, float]:
+        """``PolicyWorker.sync_weights``: push ``version`` to ``urls`` (default: every server)
+        and verify it."""
+        return await self._all("sync_weights", version, urls)
+
+    async def rejoin(self, url: str) -> dict[str, float]:
+        """``PolicyWorker.rejoin`` (rank 0 alone): bring a restarted server to the last pushed
+        version, verified. Runs after the rank's current call (a train step) finishes."""
+        return await self._all("rejoin", url, ranks=1)
 
     async def save(self, out_dir: Path) -> None:
         """``PolicyWorker.save_state``: the HF export and the full training state in ``out_dir``."""

@@ -154,6 +154,7 @@ class PolicyWorker:
         self._prompt_ids: dict[str, int] = {}  # prompt key -> stable int id (running_baseline)
         self.sync: WeightSync | None = None
         self.probe: list[int] = []
+        self.served_probe: list[float] | None = None  # the probe's logprobs, last pushed version
 
     def _frozen(self, path: str) -> torch.nn.Module:
         model = load_causal_lm(path, self.cfg.model.dtype, self.device).eval()
@@ -541,29 +542,43 @@ class PolicyWorker:
                 delta=sc.delta and backend == "shm",
                 full_every=sc.full_every,
                 on_base_mismatch=sc.on_base_mismatch,
+                # what a restarted server is brought back to (rollout.max_restarts)
+                keep_served=self.cfg.rollout.max_restarts > 0 and backend == "shm",
             )
             self.sync.init()
 
-    def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the current weights as ``version`` and verify them (collective on all ranks).
+    def sync_weights(self, version: int, urls: list[str] | None = None) -> dict[str, float]:
+        """Push the current weights as ``version`` to ``urls`` (default: every server) and
+        verify them (collective on all ranks).
 
         The weights stream from the FSDP2 shards: every rank iterates the same sharded state
         dict, each bucket is all-gathered just before rank 0 sends it (``WeightSync.push``),
         and the other ranks take part in the same gathers (``drain``)."""
         from trident.weights.sync import drain, hf_named_tensors, probe_logprobs
 
-        expected = probe_logprobs(self.model, self.probe) if self.cfg.sync.verify else None
+        # the probe is also what a restarted server is checked against (rollout.max_restarts)
+        probe = self.cfg.sync.verify or self.cfg.rollout.max_restarts > 0
+        expected = probe_logprobs(self.model, self.probe) if probe else None
         shards = hf_named_tensors(self.model, self.tied)
         metrics: dict[str, float] = {}
         if self.rank != 0:
             drain(shards)
         else:
             assert self.sync is not None  # connect() made it on rank 0
-            metrics = self.sync.push(shards, version)
-            if expected is not None:
+            metrics = self.sync.push(shards, version, urls)
+            if expected is not None and self.cfg.sync.verify:
                 metrics |= self.sync.verify(self.probe, expected, version, self.cfg.sync.tolerance)
+            self.served_probe = expected
         dist.barrier()
         return metrics
+
+    def rejoin(self, url: str) -> dict[str, float]:
+        """Rank 0 only: bring the restarted server ``url`` to the last pushed version (from
+        the kept copy, whatever the trainer has learned since) and verify it with that
+        version's probe logprobs (``WeightSync.rejoin``)."""
+        assert self.rank == 0 and self.sync is not None
+        assert self.served_probe is not None  # computed at every sync when restarts are on
+        return self.sync.rejoin(url, self.probe, self.served_probe, self.cfg.sync.tolerance)
 
     def pid(self) -> int:
         return os.getpid()

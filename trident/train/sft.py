@@ -42,7 +42,8 @@ def encode_example(
     if "response" in row:
         response = row["response"]
     elif task_name and answer_formats:
-        fmt = answer_formats[zlib.crc32(row["prompt"].encode()) % len(answer_formats)]
+        # str(): a chat prompt (a list of messages) picks its style from its text too
+        fmt = answer_formats[zlib.crc32(str(row["prompt"]).encode()) % len(answer_formats)]
         response = fmt.format(**row)
     elif task_name:
         response = get_task(task_name).solution(row)

@@ -307,10 +307,12 @@ class WeightSync:
         delta: bool = False,
         full_every: int = 10,
         on_base_mismatch: Literal["fail", "full"] = "fail",
+        keep_served: bool = False,
     ) -> None:
         """``timeout_s`` bounds every HTTP call; ``nccl_master_address`` and
         ``engine_world_size`` (a server's TP x PP x DP ranks) are used by ``backend="nccl"``;
-        ``delta``, ``full_every`` and ``on_base_mismatch``: see the module docstring (shm)."""
+        ``delta``, ``full_every`` and ``on_base_mismatch``: see the module docstring (shm);
+        ``keep_served``: keep a copy of the last pushed weights for ``rejoin`` (shm)."""
         if not urls:
             raise ValueError("WeightSync needs at least one server url")
         if backend not in ("shm", "nccl", "ipc"):
@@ -322,6 +324,7 @@ class WeightSync:
         if delta and backend != "shm":
             raise ValueError(f"delta sync needs backend='shm', got {backend!r}")
         self.urls = [u.rstrip("/") for u in urls]
+        self.targets = self.urls  # the servers the last push went to (the others were down)
         self.backend = backend
         self.shm_dir = Path(shm_dir)
         self.bucket_bytes = bucket_bytes
@@ -334,7 +337,9 @@ class WeightSync:
         self.delta, self.full_every, self.on_base_mismatch = delta, full_every, on_base_mismatch
         # what each server holds: (version, weights checksum); None = unknown (full sync next)
         self.held: dict[str, tuple[int, str] | None] = dict.fromkeys(self.urls)
-        self._base: dict[str, torch.Tensor] | None = None  # the weights of base_key (delta)
+        self.keep_served = keep_served
+        # a CPU copy of the weights of base_key, the last push (delta mode, keep_served)
+        self._base: dict[str, torch.Tensor] | None = None
         self._base_key: tuple[int, str] | None = None
         self._deltas_since_full = 0
 
@@ -355,12 +360,16 @@ class WeightSync:
                 "init_weight_transfer_engine",
                 lambda url: _post(http, url, "/init_weight_transfer_engine", init),
             )
-        self.held = dict.fromkeys(self.urls)
+        self.held.update(dict.fromkeys(self.targets))
 
     # -- push ----------------------------------------------------------------------------------
 
-    def push(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
-        """Pause, transfer, bump to ``version``, resume. Returns bytes and seconds per phase.
+    def push(
+        self, named_tensors: NamedTensors, version: int, urls: list[str] | None = None
+    ) -> dict[str, float]:
+        """Pause, transfer, bump to ``version``, resume, on ``urls`` (default: every server;
+        fewer while one is down, none at all while every one is). Returns bytes and seconds per
+        phase. The stream is consumed either way (the other ranks' gathers).
 
         Raises ``WeightSyncError`` (servers resumed on their previous version) when any server
         refuses or fails a step. Follow with ``verify``.
@@ -369,6 +378,7 @@ class WeightSync:
             raise ValueError(
                 f"version {version} is not newer than the last pushed ({self.version})"
             )
+        self.targets = self.urls if urls is None else [u.rstrip("/") for u in urls]
         stream = iter(named_tensors)
         try:
             if self.backend == "shm":
@@ -387,7 +397,7 @@ class WeightSync:
             self.delta
             and self._base_key is not None
             and self._deltas_since_full + 1 < self.full_every
-            and all(self.held[url] == self._base_key for url in self.urls)
+            and all(self.held[url] == self._base_key for url in self.targets)
         )
 
     def _push_shm_full_or_delta(
@@ -397,7 +407,7 @@ class WeightSync:
         try:
             m, end = asyncio.run(self._push_shm(stream, version, is_delta))
         except _DeltaRefused as refused:
-            self.held = dict.fromkeys(self.urls)
+            self.held.update(dict.fromkeys(self.targets))
             if self.on_base_mismatch != "full" or refused.new_state is None:
                 raise WeightSyncError(
                     f"{refused.error}\n(sync.on_base_mismatch=full resends in full instead)"
@@ -406,14 +416,14 @@ class WeightSync:
             m, end = asyncio.run(self._push_shm(iter(refused.new_state.items()), version, False))
             m["fallback_full"] = 1.0
         except BaseException:
-            self.held = dict.fromkeys(self.urls)
+            self.held.update(dict.fromkeys(self.targets))
             raise
         key = (version, end.weights_checksum)
-        self.held = dict.fromkeys(self.urls, key)
+        self.held.update(dict.fromkeys(self.targets, key))
         self._deltas_since_full = (
             self._deltas_since_full + 1 if is_delta and "fallback_full" not in m else 0
         )
-        if self.delta:
+        if end.new_state is not None:
             self._base, self._base_key = end.new_state, key
         return m
 
@@ -425,7 +435,7 @@ class WeightSync:
         m.update(bytes=0.0, weights_bytes=0.0, num_buckets=0.0, num_tensors=0.0)
         m["delta"] = float(is_delta)
         t_start = time.perf_counter()
-        engines = {url: VLLMClient(url, timeout_s=self.timeout_s) for url in self.urls}
+        engines = {url: VLLMClient(url, timeout_s=self.timeout_s) for url in self.targets}
         async with httpx.AsyncClient(timeout=self.timeout_s) as http:
             started = False
             try:
@@ -449,7 +459,7 @@ class WeightSync:
                 if started:  # close every server's update session (see the module docstring)
                     abort = {"update_info": {"abort": True}}
                     await asyncio.gather(
-                        *(_post(http, url, "/update_weights", abort) for url in self.urls),
+                        *(_post(http, url, "/update_weights", abort) for url in self.targets),
                         return_exceptions=True,
                     )
                 await asyncio.gather(
@@ -531,7 +541,7 @@ class WeightSync:
         """Producer thread: gather each bucket (a collective), checksum, encode, write, hand
         over. After an error it keeps gathering (and, in delta mode, keeping) but writes nothing."""
         weights = delta_codec.WeightsChecksum()
-        new_state: dict[str, torch.Tensor] | None = {} if self.delta else None
+        new_state: dict[str, torch.Tensor] | None = {} if self.delta or self.keep_served else None
         base = self._base if is_delta else None
         base_version, base_checksum = self._base_key if is_delta and self._base_key else (-1, "")
         error: BaseException | None = None
@@ -589,6 +599,32 @@ class WeightSync:
             error = error or e
         hand_over(_StreamEnd(error, weights.hexdigest(), new_state))
 
+    def rejoin(
+        self, url: str, probe_ids: list[int], expected_logprobs: list[float], tolerance: float
+    ) -> dict[str, float]:
+        """Bring a restarted server (``url``, serving its start-up weights) to the last pushed
+        version: initialise its transfer engine again, send the kept copy of that version in
+        full, and verify it against the probe logprobs the trainer computed for that version.
+        Needs ``keep_served`` (or ``delta``) and the shm backend."""
+        if self.backend != "shm" or self._base is None or self._base_key is None:
+            raise WeightSyncError(
+                f"{url}: a restarted server can be brought back only by the shm backend with a "
+                f"kept copy of the served weights (backend {self.backend!r}, copy kept: "
+                f"{self._base is not None})"
+            )
+        version, targets = self._base_key[0], self.targets
+        self.targets = [url.rstrip("/")]
+        try:
+            asyncio.run(self._init_shm())
+            m, end = asyncio.run(self._push_shm(iter(self._base.items()), version, False))
+            if (version, end.weights_checksum) != self._base_key:
+                raise WeightSyncError(f"{url}: the kept copy of version {version} changed")
+            self.held[self.targets[0]] = self._base_key
+            m |= self.verify(probe_ids, expected_logprobs, version, tolerance)
+        finally:
+            self.targets = targets
+        return m
+
     # -- verify --------------------------------------------------------------------------------
 
     def verify(
@@ -598,9 +634,10 @@ class WeightSync:
         version: int,
         tolerance: float,
     ) -> dict[str, float]:
-        """Called after ``push``: every server must report ``version`` and reproduce the
-        trainer's probe logprobs within ``tolerance`` (max |Δlogp|); raises ``WeightSyncError``
-        naming each server that does not. Returns max/mean |Δlogp| over all servers."""
+        """Called after ``push``: every server it went to must report ``version`` and reproduce
+        the trainer's probe logprobs within ``tolerance`` (max |Δlogp|); raises
+        ``WeightSyncError`` naming each server that does not. Returns max/mean |Δlogp| over the
+        servers (zeros when the push went to none)."""
         if len(expected_logprobs) != len(probe_ids) - 1:
             raise ValueError(
                 f"expected_logprobs has {len(expected_logprobs)} values; a probe of "
@@ -612,7 +649,7 @@ class WeightSync:
         self, probe_ids: list[int], expected: list[float], version: int, tolerance: float
     ) -> dict[str, float]:
         t0 = time.perf_counter()
-        engines = {url: VLLMClient(url, timeout_s=self.timeout_s) for url in self.urls}
+        engines = {url: VLLMClient(url, timeout_s=self.timeout_s) for url in self.targets}
         async with httpx.AsyncClient(timeout=self.timeout_s) as http:
 
             async def check(url: str) -> tuple[float, float]:
@@ -630,8 +667,8 @@ class WeightSync:
             finally:
                 for engine in engines.values():
                     await engine.aclose()
-        maxima = [r[0] for r in results.values()]
-        means = [r[1] for r in results.values()]
+        maxima = [r[0] for r in results.values()] or [0.0]
+        means = [r[1] for r in results.values()] or [0.0]
         return {
             "max_abs_dlogp": max(maxima),
             "mean_abs_dlogp": sum(means) / len(means),
@@ -701,7 +738,7 @@ class WeightSync:
         return m
 
     async def _fan_engine(self, method: Literal["pause", "resume"]) -> None:
-        engines = {url: VLLMClient(url, timeout_s=self.timeout_s) for url in self.urls}
+        engines = {url: VLLMClient(url, timeout_s=self.timeout_s) for url in self.targets}
         try:
             await self._each(method, lambda url: getattr(engines[url], method)())
         finally:
@@ -717,17 +754,17 @@ class WeightSync:
     # -- fan-out -------------------------------------------------------------------------------
 
     async def _each(self, step: str, call: Callable[[str], Awaitable[Any]]) -> dict[str, Any]:
-        """Run ``call(url)`` on every server at once; raise one error naming every failure."""
-        results = await asyncio.gather(*(call(url) for url in self.urls), return_exceptions=True)
+        """Run ``call(url)`` on every target at once; raise one error naming every failure."""
+        results = await asyncio.gather(*(call(url) for url in self.targets), return_exceptions=True)
         errors = []
-        for url, result in zip(self.urls, results, strict=True):
+        for url, result in zip(self.targets, results, strict=True):
             if isinstance(result, WeightSyncError):
                 errors.append(str(result))
             elif isinstance(result, BaseException):
                 errors.append(f"{url}: {step} failed: {type(result).__name__}: {result}")
         if errors:
             raise WeightSyncError("\n".join(errors))
-        return dict(zip(self.urls, results, strict=True))
+        return dict(zip(self.targets, results, strict=True))
 
 
 def _compare_probe(

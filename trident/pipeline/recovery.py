@@ -1,0 +1,162 @@
+"""A dead rollout server survived: taken out at once, restarted, brought to the served weights,
+back in.
+
+1. **Detection.** A request that fails asks the server's ``/health``; a server that does not
+   answer is taken out of the router at once (``Router.failed``), and the periodic check
+   (``rollout.health_check_s``) takes out one that fails two checks in a row even while nothing
+   is sent to it.
+2. **Resubmission.** The request that failed is sent again to a server that is up: a streamed
+   sample from the prefix it had already received (``separate_async.PartialRollout``: every
+   token keeps the version that produced it), a whole group again from its prompt (``sync``,
+   ``colocate_async``, eval). Token in, token out: nothing is re-tokenized, nothing is counted
+   twice (a failed request returned no tokens). With every server down, requests wait.
+3. **Restart.** The server's actor stops what is left of it (the whole process group) and
+   starts it again on the same node and port (``RolloutFleet.restart``), at most
+   ``rollout.max_restarts`` times per server; after that, or if it does not come back, the run
+   stops with the server's log tail.
+4. **Rejoin.** The restarted server serves the start-up weights, so rank 0 pushes it its kept
+   copy of the version being served (``WeightSync.rejoin``: whatever the trainer has learned
+   since is not in it) and verifies it with that version's probe, like every sync. This holds the
+   weight gate's lock, so no weight update runs meanwhile; then the router sends to it again.
+
+Each recovery is timed (detected -> back in) into ``rollout/recovery_s``; ``rollout/restarts``
+counts them over the run.
+
+Simplifications: the server restarts where its actor lives (a lost node is not replaced); a
+server that dies during a weight update stops the run (resume it with ``--resume``); only the shm
+weight backend can bring a server back (the GPU backends stop the run); an environment's
+trajectory on a dead server ends as ``infra_error`` (counted by the ledger, not trained).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from trident.pipeline.gate import WeightGate
+from trident.rollout.engine import VLLMClient
+from trident.rollout.router import Router
+from trident.rollout.vllm_server import log_tail
+
+
+class ServerDiedError(RuntimeError):
+    """A rollout server died and could not be brought back (or did so too often)."""
+
+
+class Fleet(Protocol):
+    """The rollout servers' owner (``trident.rollout.fleet.RolloutFleet``)."""
+
+    async def restart(self, i: int) -> VLLMClient:
+        """Called for each recovery: restart server ``i`` on its url, return a client for it."""
+        ...
+
+    def log_path(self, i: int) -> Path: ...
+
+
+class Rejoiner(Protocol):
+    """The trainer as recovery uses it (``trident.train.group.TrainerGroup``)."""
+
+    async def rejoin(self, url: str) -> dict[str, float]:
+        """Called once a restarted server answers: push it the served version, verified."""
+        ...
+
+
+class ServerRecovery:
+    """See the module docstring. ``watch()`` is the periodic health check; ``close()`` stops it
+    and any recovery under way."""
+
+    def __init__(
+        self,
+        router: Router,
+        gate: WeightGate,
+        trainer: Rejoiner,
+        fleet: Fleet,
+        max_restarts: int,
+        health_check_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.router, self.gate, self.trainer, self.fleet = router, gate, trainer, fleet
+        self.max_restarts, self.health_check_s, self.clock = max_restarts, health_check_s, clock
+        self.restarts = [0] * len(router.clients)
+        self.recoveries: list[dict[str, float]] = []  # per recovery: server, seconds, version
+        self._tasks: set[asyncio.Task] = set()
+        router.on_down = self.down
+
+    def down(self, i: int) -> None:
+        """``Router.on_down``: server ``i`` was taken out; restart it (or give up)."""
+        url = self.router.clients[i].url
+        if self.restarts[i] >= self.max_restarts:
+            self.router.give_up(
+                ServerDiedError(
+                    f"rollout server {i} ({url}) died and has been restarted "
+                    f"{self.restarts[i]} times already (rollout.max_restarts="
+                    f"{self.max_restarts}); its log ({self.fleet.log_path(i)}) ends:\n"
+                    f"{log_tail(self.fleet.log_path(i))}"
+                )
+            )
+            return
+        self.restarts[i] += 1
+        print(
+            f"rollout server {i} ({url}) is down: restarting it "
+            f"({self.restarts[i]}/{self.max_restarts})",
+            file=sys.stderr,
+        )
+        task = asyncio.get_running_loop().create_task(self._recover(i, self.clock()))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _recover(self, i: int, detected: float) -> None:
+        try:
+            client = await self.fleet.restart(i)
+            async with self.gate.exclusive():  # no weight update between rejoin and back in
+                await self.trainer.rejoin(client.url)
+                self.router.bring_in(i, client)
+                version = self.gate.version
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.router.give_up(
+                ServerDiedError(
+                    f"rollout server {i} died and could not be brought back: {e}\n"
+                    f"its log ({self.fleet.log_path(i)}) ends:\n{log_tail(self.fleet.log_path(i))}"
+                )
+            )
+            return
+        seconds = self.clock() - detected
+        self.recoveries.append({"server": float(i), "seconds": seconds, "version": float(version)})
+        print(
+            f"rollout server {i} is back at weight version {version} after {seconds:.1f} s",
+            file=sys.stderr,
+        )
+
+    async def watch(self) -> None:
+        """Every ``rollout.health_check_s``: take out a server that failed two checks in a row."""
+        if self.health_check_s <= 0:
+            return
+        misses = [0] * len(self.router.clients)
+        while True:
+            await asyncio.sleep(self.health_check_s)
+            for i, client in enumerate(list(self.router.clients)):
+                if not self.router.up[i]:
+                    misses[i] = 0
+                    continue
+                misses[i] = 0 if await client.healthy() else misses[i] + 1
+                if misses[i] >= 2:
+                    self.router.take_out(i)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"rollout/restarts": float(sum(self.restarts))}
+        if self.recoveries:
+            out["rollout/recovery_s"] = self.recoveries[-1]["seconds"]
+        return out
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
