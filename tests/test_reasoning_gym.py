@@ -83,6 +83,22 @@ def test_without_the_system_prompt_the_prompt_is_the_question_alone():
     assert row["prompt"] == [{"role": "user", "content": row["entry"]["question"]}]
 
 
+def test_a_burst_of_checks_is_not_timed_out_waiting_for_a_worker():
+    """An eval scores hundreds of responses at once on a few checker processes: the timeout
+    bounds each check's work, not its wait in the queue (seen: 125 of 1000 eval scores were
+    infra_error on a cold pool before)."""
+    cfg = load_config([], [*_data_overrides("chain_sum", {}), "reward.timeout_s=1.0"])
+    rows = load_split(cfg.data, "train", seed=1) * 50  # 2000 checks, a few ms each, 2-8 workers
+    rewards = RewardModel.from_config(cfg.reward)
+
+    async def burst():
+        return await asyncio.gather(
+            *(rewards.score(f"<answer>{r['answer']}</answer>", r) for r in rows)
+        )
+
+    assert asyncio.run(burst()) == [(1.0, "ok")] * len(rows)
+
+
 def test_reasoning_gym_reward_by_name_and_not_applicable_elsewhere():
     cfg = load_config([], [*_data_overrides("chain_sum", {}), "reward.fns=[{name: reasoning_gym}]"])
     row = load_split(cfg.data, "test")[0]

@@ -44,10 +44,15 @@ def _api_servers(tag: str) -> dict[int, int]:
     return out
 
 
-def _engine_core(api_server: int) -> int:
+def _engine_core(api_server: int, tag: str) -> int:
     """The engine-core process under an API server (vLLM names it ``VLLM::EngineCore``)."""
-    children = Path(f"/proc/{api_server}/task/{api_server}/children").read_text().split()
-    (engine,) = [int(c) for c in children if "EngineCore" in _cmdline(int(c))]
+
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    (engine,) = [
+        p for p in tagged_processes(tag) if "EngineCore" in _cmdline(p) and parent(p) == api_server
+    ]
     return engine
 
 
@@ -91,7 +96,7 @@ def test_two_servers_survive_a_killed_engine_and_a_killed_api_server(tiny_model,
         servers = _api_servers(tag)
         assert len(servers) == 2
         port_a, port_b = sorted(servers)
-        os.kill(_engine_core(servers[port_a]), signal.SIGKILL)
+        os.kill(_engine_core(servers[port_a], tag), signal.SIGKILL)
         # a step trained while A is down (taken out, not back yet): B carried the rollout
         run.wait_for(lambda: _metrics(tmp_path)[-1].get("rollout/restarts") == 1)
         assert "rollout/recovery_s" not in _metrics(tmp_path)[-1]
@@ -120,7 +125,7 @@ def test_one_server_killed_twice_the_steps_wait_for_its_restarts(tiny_model, tmp
         os.kill(pid, signal.SIGKILL)
         run.wait_for(lambda: "rollout/recovery_s" in _metrics(tmp_path)[-1])
         (pid,) = _api_servers(tag).values()
-        os.kill(_engine_core(pid), signal.SIGKILL)
+        os.kill(_engine_core(pid, tag), signal.SIGKILL)
     finally:
         out = run.finish()
     assert run.proc.returncode == 0, out[-3000:]
@@ -141,7 +146,7 @@ def test_a_server_that_dies_too_often_stops_the_run_with_its_log(tiny_model, tmp
     try:
         run.wait_for(lambda: len(_metrics(tmp_path)) >= 1)
         (pid,) = _api_servers(tag).values()
-        os.kill(_engine_core(pid), signal.SIGKILL)
+        os.kill(_engine_core(pid, tag), signal.SIGKILL)
     finally:
         out = run.finish(timeout=300)
     assert run.proc.returncode == 2, out[-3000:]

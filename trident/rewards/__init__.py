@@ -101,16 +101,24 @@ def _wants_prompt(fn: RewardFn) -> bool:
 
 
 @register("task")
-async def task_reward(response: str, task: str = "", **row: Any) -> float | None:
+async def task_reward(
+    response: str, task: str = "", timeout_s: float = 10.0, **row: Any
+) -> float | None:
     """The row's task scores the response: the reward function it names (``Task.reward``, e.g.
-    the sandbox's ``code``), else its ``verify`` (in a thread: a user's task may be slow)."""
+    the sandbox's ``code``), else its ``verify`` (in a thread: a user's task may be slow); either
+    under ``timeout_s`` (``reward.timeout_s``), the named function by its own rule
+    (``call_reward``)."""
     if not task:
         return None
     spec = get_task(task)
     if getattr(spec, "reward", ""):
-        value = resolve(spec.reward)(response, task=task, **row)
-        return await value if inspect.isawaitable(value) else value
-    return await asyncio.to_thread(spec.verify, response, {"task": task, **row})
+        return await call_reward(resolve(spec.reward), response, {"task": task, **row}, timeout_s)
+    return await asyncio.wait_for(
+        asyncio.to_thread(spec.verify, response, {"task": task, **row}), timeout_s
+    )
+
+
+task_reward.timeout_s = None  # pyright: ignore[reportFunctionMemberAccess]  (bounded inside)
 
 
 @register("format")
@@ -123,17 +131,21 @@ async def call_reward(
     fn: RewardFn, response: str, row: dict[str, Any], timeout_s: float
 ) -> float | None:
     """Run one reward function (async, or sync in a thread) under a timeout (the function's
-    own ``timeout_s`` attribute if it has one)."""
+    own ``timeout_s`` attribute if it has one). A function whose ``timeout_s`` attribute is None
+    bounds its own work and is passed ``timeout_s=`` instead (the checker-pool rewards: waiting
+    for a free worker must not count, or a burst of checks times out in the queue)."""
     hidden = ("id",) if _wants_prompt(fn) else ("prompt", "id")
     kwargs = {k: v for k, v in row.items() if k not in hidden}
-    timeout_s = getattr(fn, "timeout_s", None) or timeout_s
+    bound: float | None = getattr(fn, "timeout_s", None) or timeout_s
+    if "timeout_s" in getattr(fn, "__dict__", {}) and fn.__dict__["timeout_s"] is None:
+        kwargs["timeout_s"], bound = timeout_s, None
     try:
         if inspect.iscoroutinefunction(fn):
-            return await asyncio.wait_for(fn(response, **kwargs), timeout_s)
-        return await asyncio.wait_for(asyncio.to_thread(fn, response, **kwargs), timeout_s)
+            return await asyncio.wait_for(fn(response, **kwargs), bound)
+        return await asyncio.wait_for(asyncio.to_thread(fn, response, **kwargs), bound)
     except TimeoutError:
         raise RewardInfraError(
-            f"reward {getattr(fn, '__name__', fn)} timed out after {timeout_s:.1f} s"
+            f"reward {getattr(fn, '__name__', fn)} timed out after {bound} s"
         ) from None
     except RewardInfraError:
         raise

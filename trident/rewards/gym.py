@@ -25,6 +25,7 @@ async def reasoning_gym_reward(
     task: str = "",
     entry: dict[str, Any] | None = None,
     gym_config: dict[str, Any] | None = None,
+    timeout_s: float = TIMEOUT_S,
     **_: Any,
 ) -> float | None:
     """The dataset's score of ``response``; None for a row that is not a reasoning-gym row."""
@@ -32,5 +33,10 @@ async def reasoning_gym_reward(
         return None
     name = task.removeprefix(PREFIX)
     return await CHECKERS.run(
-        score_response, name, gym_config or {}, entry, response, timeout_s=TIMEOUT_S
+        score_response, name, gym_config or {}, entry, response, timeout_s=timeout_s
     )
+
+
+# Bounded per check by the pool (reward.timeout_s of work, the worker killed past it); the wait
+# for a free worker is not part of it (an eval scores hundreds of responses at once on a few)
+reasoning_gym_reward.timeout_s = None  # pyright: ignore[reportFunctionMemberAccess]

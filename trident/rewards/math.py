@@ -11,8 +11,8 @@ read as math, and compared with ``verify``.
 Timeouts: math-verify's own (``signal.alarm``) are disabled, because they fail off the main
 thread and because a timed-out parse there returns "not equal", which would score the
 infrastructure's failure 0.0. Instead the whole check runs in a ``trident.rewards.pool`` worker
-process that is killed on timeout (``TIMEOUT_S``, or the reward's timeout in ``call_reward``,
-whichever comes first): a hung or crashing check is ``infra_error``, a wrong answer 0.0.
+process that is killed past ``reward.timeout_s`` of work (the wait for a free worker does not
+count: ``call_reward``): a hung or crashing check is ``infra_error``, a wrong answer 0.0.
 
 Deliberate simplification: a candidate much longer than the reference
 (``> max(MAX_ANSWER_CHARS, 10 * len(reference))``) scores 0.0 without being parsed, so a model
@@ -86,9 +86,15 @@ def _score(reference: str, response: str) -> float:
 
 
 @register("math")
-async def math_reward(response: str, answer: Any = None, **_: Any) -> float | None:
+async def math_reward(
+    response: str, answer: Any = None, timeout_s: float = TIMEOUT_S, **_: Any
+) -> float | None:
     """1.0 if the response's final answer equals ``answer`` (math-verify), else 0.0; None when
     the row has no reference answer. Raises ``CheckerError`` on a hung or crashed check."""
     if answer is None or str(answer).strip() == "":
         return None
-    return await CHECKERS.run(_score, str(answer), response, timeout_s=TIMEOUT_S)
+    return await CHECKERS.run(_score, str(answer), response, timeout_s=timeout_s)
+
+
+# Bounded per check by the pool, not counting the wait for a free worker (see rewards.gym)
+math_reward.timeout_s = None  # pyright: ignore[reportFunctionMemberAccess]

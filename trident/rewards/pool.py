@@ -32,6 +32,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+STARTUP_S = 60.0  # a fresh worker's first call: interpreter start and the checker's imports
+
 
 class CheckerError(RuntimeError):
     """A check could not run to completion: it timed out, raised, or its process died."""
@@ -66,6 +68,7 @@ class _Worker:
         )
         child.close()
         self.conn = Connection(parent.detach())
+        self.warm = False  # has answered a call (its interpreter and imports are up)
 
     def kill(self) -> None:
         self.process.kill()
@@ -113,20 +116,23 @@ class CheckerPool:
 
     async def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         """``fn(*args)`` in a worker process; ``CheckerError`` if it does not return a value
-        within ``timeout_s`` (None: no bound of its own, the caller's cancellation still kills)."""
+        within ``timeout_s`` (None: no bound of its own, the caller's cancellation still kills).
+        A fresh worker's first call gets ``STARTUP_S`` more: it starts an interpreter and
+        imports the checker (seconds, on a loaded machine), which is not the check's work."""
         while (worker := self._acquire()) is None:
             await asyncio.sleep(0.01)
         healthy = False
+        bound = timeout_s if timeout_s is None or worker.warm else timeout_s + STARTUP_S
         try:
             # A large argument fills the pipe until a just-spawned worker starts reading: send
             # from a thread so the loop is never blocked on it.
             await asyncio.to_thread(worker.conn.send, (fn, args))
-            await asyncio.wait_for(_readable(worker.conn), timeout_s)
+            await asyncio.wait_for(_readable(worker.conn), bound)
             status, value = worker.conn.recv()
-            healthy = True
+            healthy = worker.warm = True
         except TimeoutError:
             raise CheckerError(
-                f"{getattr(fn, '__name__', fn)} did not finish in {timeout_s} s (killed)"
+                f"{getattr(fn, '__name__', fn)} did not finish in {bound} s (killed)"
             ) from None
         except (EOFError, OSError) as e:
             raise CheckerError(
