@@ -113,19 +113,21 @@ class ServerRecovery:
     async def _recover(self, i: int, detected: float) -> None:
         try:
             client = await self.fleet.restart(i)
+        except Exception as e:
+            self.router.give_up(
+                ServerDiedError(
+                    f"rollout server {i} died and could not be restarted: {e}\n"
+                    f"its log ({self.fleet.log_path(i)}) ends:\n{log_tail(self.fleet.log_path(i))}"
+                )
+            )
+            return
+        try:
             async with self.gate.exclusive():  # no weight update between rejoin and back in
                 await self.trainer.rejoin(client.url)
                 self.router.bring_in(i, client)
                 version = self.gate.version
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self.router.give_up(
-                ServerDiedError(
-                    f"rollout server {i} died and could not be brought back: {e}\n"
-                    f"its log ({self.fleet.log_path(i)}) ends:\n{log_tail(self.fleet.log_path(i))}"
-                )
-            )
+        except Exception as e:  # the trainer's own failure (a dead rank, a failed verify)
+            self.router.give_up(e)
             return
         seconds = self.clock() - detected
         self.recoveries.append({"server": float(i), "seconds": seconds, "version": float(version)})
