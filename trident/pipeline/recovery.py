@@ -23,7 +23,8 @@ Each recovery is timed (detected -> back in) into ``rollout/recovery_s``; ``roll
 counts them over the run.
 
 Simplifications: the server restarts where its actor lives (a lost node is not replaced); a
-server that dies during a weight update stops the run (resume it with ``--resume``); only the shm
+weight update that fails because a server died during it is repeated once without that server
+(``WeightGate.update``), a second failure stops the run (resume it with ``--resume``); only the shm
 weight backend can bring a server back (the GPU backends stop the run); an environment's
 trajectory on a dead server ends as ``infra_error`` (counted by the ledger, not trained).
 """
@@ -31,7 +32,6 @@ trajectory on a dead server ends as ``infra_error`` (counted by the ledger, not 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -83,7 +83,7 @@ class ServerRecovery:
         self.router, self.gate, self.trainer, self.fleet = router, gate, trainer, fleet
         self.max_restarts, self.health_check_s, self.clock = max_restarts, health_check_s, clock
         self.restarts = [0] * len(router.clients)
-        self.recoveries: list[dict[str, float]] = []  # per recovery: server, seconds, version
+        self.last_recovery_s: float | None = None  # detected -> back in, the latest recovery
         self._tasks: set[asyncio.Task] = set()
         router.on_down = self.down
 
@@ -95,8 +95,7 @@ class ServerRecovery:
                 ServerDiedError(
                     f"rollout server {i} ({url}) died and has been restarted "
                     f"{self.restarts[i]} times already (rollout.max_restarts="
-                    f"{self.max_restarts}); its log ({self.fleet.log_path(i)}) ends:\n"
-                    f"{log_tail(self.fleet.log_path(i))}"
+                    f"{self.max_restarts}); {self._log(i)}"
                 )
             )
             return
@@ -116,8 +115,7 @@ class ServerRecovery:
         except Exception as e:
             self.router.give_up(
                 ServerDiedError(
-                    f"rollout server {i} died and could not be restarted: {e}\n"
-                    f"its log ({self.fleet.log_path(i)}) ends:\n{log_tail(self.fleet.log_path(i))}"
+                    f"rollout server {i} died and could not be restarted: {e}\n{self._log(i)}"
                 )
             )
             return
@@ -130,7 +128,7 @@ class ServerRecovery:
             self.router.give_up(e)
             return
         seconds = self.clock() - detected
-        self.recoveries.append({"server": float(i), "seconds": seconds, "version": float(version)})
+        self.last_recovery_s = seconds
         print(
             f"rollout server {i} is back at weight version {version} after {seconds:.1f} s",
             file=sys.stderr,
@@ -153,12 +151,15 @@ class ServerRecovery:
 
     def metrics(self) -> dict[str, float]:
         out = {"rollout/restarts": float(sum(self.restarts))}
-        if self.recoveries:
-            out["rollout/recovery_s"] = self.recoveries[-1]["seconds"]
+        if self.last_recovery_s is not None:
+            out["rollout/recovery_s"] = self.last_recovery_s
         return out
 
+    def _log(self, i: int) -> str:
+        return f"its log ({self.fleet.log_path(i)}) ends:\n{log_tail(self.fleet.log_path(i))}"
+
     async def close(self) -> None:
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -46,7 +46,7 @@ class RolloutEngine(Protocol):
     """What the group rollout, the agent loop and eval call: ``VLLMClient``, ``Router``, or a
     wrapper such as the async driver's ``PartialRollout``. The servers' control calls
     (pause/resume/abort, prefix-cache reset, health) are ``VLLMClient``'s and ``Router``'s own
-    methods, used by the weight gate and the sync."""
+    methods, used by the weight gate, the sync and server recovery."""
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None

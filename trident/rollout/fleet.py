@@ -33,9 +33,6 @@ class RolloutServerActor:
     def start(self, timeout_s: float) -> str:
         return self.server.start(timeout_s)
 
-    def healthy(self) -> bool:
-        return self.server.healthy()
-
     def restart(self, timeout_s: float) -> str:
         """Stop what is left of the server (its whole process group) and start it again on
         the same port, from the model path (the caller then pushes the served weights)."""

@@ -178,8 +178,5 @@ class Router:
             out.append(result)
         return out
 
-    async def healthy(self) -> bool:
-        return all(await asyncio.gather(*(c.healthy() for c in self.clients)))
-
     async def aclose(self) -> None:
         await asyncio.gather(*(c.aclose() for c in self.clients))
