@@ -9,8 +9,10 @@ Nothing is re-tokenized: the ids the engine returns are the ids that get trained
 from __future__ import annotations
 
 import asyncio
+import functools
+import ssl
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import httpx
 
@@ -58,6 +60,19 @@ class RolloutEngine(Protocol):
 DROPPED_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    return httpx.create_ssl_context()
+
+
+def http_client(timeout_s: float, **kwargs: Any) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` sharing one TLS context per process. httpx builds a context
+    for every client, loading the CA bundle (~40 ms on 2 CPU cores), and a client lives as
+    long as its event loop: the trainer's weight sync, one loop per call, made four a step,
+    measured as 0.2 s of a 0.57 s sync. Certificates are still verified."""
+    return httpx.AsyncClient(timeout=timeout_s, verify=_tls(), **kwargs)
+
+
 def engine_error(where: str, error: Exception) -> EngineError:
     return EngineError(f"{where}: {type(error).__name__}: {error}")
 
@@ -81,7 +96,7 @@ class VLLMClient:
             limits = httpx.Limits(
                 max_connections=512, max_keepalive_connections=64, keepalive_expiry=2.0
             )
-            self._client = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
+            self._client = http_client(self.timeout_s, limits=limits)
             self._loop = loop
         return self._client
 

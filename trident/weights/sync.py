@@ -77,7 +77,7 @@ from typing import Any, Literal
 import httpx
 import torch
 
-from trident.rollout.engine import VLLMClient
+from trident.rollout.engine import VLLMClient, http_client
 from trident.weights import delta as delta_codec
 from trident.weights.tensors import full_tensor
 from trident.weights.vllm_plugin import BASE_MISMATCH, checksum
@@ -354,7 +354,7 @@ class WeightSync:
             self._init_gpu()
 
     async def _init_shm(self) -> None:
-        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+        async with http_client(self.timeout_s) as http:
             init = {"init_info": {"keep_base": self.delta}}
             await self._each(
                 "init_weight_transfer_engine",
@@ -436,7 +436,7 @@ class WeightSync:
         m["delta"] = float(is_delta)
         t_start = time.perf_counter()
         engines = {url: VLLMClient(url, timeout_s=self.timeout_s) for url in self.targets}
-        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+        async with http_client(self.timeout_s) as http:
             started = False
             try:
                 with _timed(m, "pause_s"):
@@ -650,7 +650,7 @@ class WeightSync:
     ) -> dict[str, float]:
         t0 = time.perf_counter()
         engines = {url: VLLMClient(url, timeout_s=self.timeout_s) for url in self.targets}
-        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+        async with http_client(self.timeout_s) as http:
 
             async def check(url: str) -> tuple[float, float]:
                 served = (await _get(http, url, "/weight_info")).get("weight_version")
