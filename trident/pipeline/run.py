@@ -8,9 +8,11 @@ import asyncio
 import contextlib
 import json
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
@@ -24,6 +26,8 @@ from trident.rollout.router import Router
 from trident.telemetry.metrics import MetricsLogger
 from trident.train.group import TrainerGroup, TrainerRankError
 from trident.weights.backend import server_backend
+
+T = TypeVar("T")
 
 DRIVERS: dict[str, Callable[[RunHarness], Awaitable[None]]] = {
     "sync": sync.train,
@@ -67,11 +71,13 @@ def _run_once(cfg: TridentConfig) -> dict[str, Any]:
     roles = {"rollout servers": cfg.rollout.num_servers, "trainer ranks": cfg.trainer.num_ranks}
     try:
         check_fits(roles)  # in seconds, before anything starts
-        with (
-            _resumable(run_dir),
-            RolloutFleet(cfg, cfg.model.path, run_dir, server_backend(cfg.sync)) as fleet,
-            TrainerGroup(cfg) as trainer,
-        ):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_resumable(run_dir))
+            fleet = _started(
+                stack, f"{cfg.rollout.num_servers} rollout server(s)",
+                RolloutFleet(cfg, cfg.model.path, run_dir, server_backend(cfg.sync)),
+            )  # fmt: skip
+            trainer = _started(stack, f"{cfg.trainer.num_ranks} trainer rank(s)", TrainerGroup(cfg))
             pids = fleet.pids() | trainer.pids
             results = asyncio.run(
                 run(cfg, fleet.router, trainer, log, resume_from, pids, fleet=fleet)
@@ -84,6 +90,16 @@ def _run_once(cfg: TridentConfig) -> dict[str, Any]:
         if key in results:
             (run_dir / f"eval_{key}.json").write_text(json.dumps(results[key], indent=2) + "\n")
     return results
+
+
+def _started(stack: contextlib.ExitStack, what: str, cm: AbstractContextManager[T]) -> T:
+    """Enter ``cm`` on ``stack``, saying what is starting and how long it took (start-up is
+    most of a short run's time: a user should see where it goes)."""
+    print(f"starting {what}", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    entered = stack.enter_context(cm)
+    print(f"{what} up in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+    return entered
 
 
 @contextlib.contextmanager

@@ -1,0 +1,390 @@
+"""trident against TRL's ``GRPOTrainer`` on the same recipe, side by side in one run.
+
+    pip install -e '.[bench]'            # TRL, for benchmarks only
+    python benchmarks/vs_trl.py [--model SFT_DIR] [--steps 30] [--target 0.9]
+
+Both sides start from the same checkpoint (the demo's SFT warm-up, built here unless
+``--model`` names one) and train on the same recipe, ``configs/demo.yaml``: 32 prompts × 8
+samples per RL step, at most 12 new tokens at temperature 1, reward = the task's verifier +
+0.5 × the format reward, lr 3e-4 (constant after warm-up), 2 optimizer steps per batch, no KL,
+the same token-mean PPO-clip loss (TRL's ``loss_type="dapo"``), group-normalised advantages.
+TRL gets the prompts already rendered by trident's chat template (so the tokens are the same)
+and trident's own reward functions; it generates with HF ``generate`` (no vLLM: TRL's vLLM
+path needs CUDA) and uses every core for one process, as its users run it on a CPU box.
+
+Each side runs as its own process, timed from its launch:
+
+- **command → first step**: launch until the first RL step begins (imports, Ray, the vLLM
+  server and the trainer for trident; imports, model and dataset for TRL);
+- **s/step**: the median wall time between the ends of consecutive RL steps (everything in
+  the loop: generation, reward, training, weight sync, logging);
+- trident's per-stage breakdown (its ``time/*`` metrics): rollout (the step's wait for
+  samples), train, weight sync (push + verify), and the rest of the loop;
+- TRL's split: generation + scoring (``_generate_and_score_completions``) vs the rest;
+- **held-out accuracy**: greedy answers on the 200 test prompts scored by trident's verifier,
+  the same HF-``generate`` evaluation of both sides' saved weights, every 5 steps; and the
+  training time (sum of step times) until it first reaches ``--target``.
+
+Writes ``benchmarks/results/vs_trl.{json,md}``; ratios are what to read (a busy machine slows
+both sides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trident.config import load_config
+from trident.data.loaders import load_split
+from trident.data.tasks import get_task
+from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, prompt_messages
+from trident.rewards import format_reward
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results"
+RECIPE = REPO / "configs" / "demo.yaml"
+EVAL_EVERY = 5
+
+
+# -- shared: the recipe, the prompts, the evaluation ---------------------------------------------
+
+
+def recipe(steps: int) -> dict[str, Any]:
+    """The demo recipe's numbers, read from its config (both sides use exactly these)."""
+    cfg = load_config([RECIPE], [f"pipeline.steps={steps}"])
+    return {
+        "steps": steps,
+        "prompts_per_step": cfg.pipeline.prompts_per_step,
+        "n": cfg.rollout.n,
+        "max_tokens": cfg.rollout.max_tokens,
+        "temperature": cfg.rollout.temperature,
+        "lr": cfg.trainer.lr,
+        "warmup_steps": cfg.trainer.warmup_steps,
+        "mini_batches": cfg.trainer.mini_batches,
+        "clip_eps": cfg.algo.clip_eps_low,
+        "reward_weights": {f.name: f.weight for f in cfg.reward.fns},
+    }
+
+
+def rendered_rows(model: str, split: str) -> list[dict[str, Any]]:
+    """The recipe's rows with the prompt as the exact text trident's rollout sends (the chat
+    template applied, the generation prompt added)."""
+    cfg = load_config([RECIPE], [f"model.path={model}"])
+    tok = load_tokenizer(model)
+    rows = load_split(cfg.data, split, cfg.run.seed)
+    return [
+        {**r, "prompt": tok.decode(encode_chat(tok, prompt_messages(r["prompt"])))} for r in rows
+    ]
+
+
+def verifier_score(response: str, row: dict[str, Any]) -> float:
+    return get_task(row["task"]).verify(response, row)
+
+
+def heldout_accuracy(model_dir: str | Path, rows: list[dict[str, Any]], max_tokens: int) -> float:
+    """Greedy answers to ``rows`` (already rendered), scored by trident's verifier."""
+    model, tok = load_causal_lm(str(model_dir)).eval(), load_tokenizer(str(model_dir))
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(rows), 50):
+            chunk = [tok.encode(r["prompt"], add_special_tokens=False) for r in rows[i : i + 50]]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in chunk])
+            attn = (ids != tok.pad_token_id).long()
+            for k, p in enumerate(chunk):  # a pad id inside a prompt is still a prompt token
+                attn[k, width - len(p) :] = 1
+            out = model.generate(
+                input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=max_tokens,
+                pad_token_id=tok.pad_token_id,
+            )  # fmt: skip
+            texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
+            correct += sum(
+                verifier_score(t, r) >= 1.0 for t, r in zip(texts, rows[i : i + 50], strict=True)
+            )
+    return correct / len(rows)
+
+
+def time_to_target(accuracy: dict[int, float], step_ends: list[float], target: float):
+    """Training seconds (from the first step's start) until the first evaluated step at or
+    above ``target``; None if none reached it."""
+    for step in sorted(accuracy):
+        if accuracy[step] >= target:
+            return step_ends[step - 1]
+    return None
+
+
+# -- trident -------------------------------------------------------------------------------------
+
+
+def run_trident(model: str, work: Path, steps: int) -> dict[str, Any]:
+    """``trident train`` on the recipe; step times from when each metrics row appears."""
+    run_dir = work / "trident"
+    cmd = [
+        sys.executable, "-m", "trident.cli", "train", "-c", str(RECIPE), f"model.path={model}",
+        f"run.dir={work}", "run.name=trident", "run.overwrite=true", f"pipeline.steps={steps}",
+        f"checkpoint.every={EVAL_EVERY}", f"checkpoint.keep_last={steps // EVAL_EVERY + 1}",
+        "eval.before_after=false", "telemetry.progress=false",
+    ]  # fmt: skip
+    metrics, seen, arrivals = run_dir / "metrics.jsonl", 0, []
+    launch = time.monotonic()
+    with (work / "trident.log").open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        while proc.poll() is None or (metrics.exists() and _lines(metrics) > seen):
+            n = _lines(metrics) if metrics.exists() else 0
+            arrivals += [time.monotonic() - launch] * (n - seen)
+            seen = n
+            time.sleep(0.05)
+    total = time.monotonic() - launch
+    if proc.returncode != 0:
+        raise SystemExit(f"trident train failed; see {work / 'trident.log'}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    first_start = arrivals[0] - rows[0]["time/step_s"]
+    stage = {
+        "rollout": statistics.median(r["time/wait_s"] for r in rows),
+        "train": statistics.median(r["time/train_s"] for r in rows),
+        "weight sync": statistics.median(r["time/sync_s"] for r in rows),
+    }
+    ends = [a - first_start for a in arrivals]
+    periods = _periods(ends)
+    stage["rest of the loop"] = statistics.median(periods) - sum(stage.values())
+    ckpts = {
+        s: run_dir / "checkpoints" / (f"step_{s}" if s < steps else "final")
+        for s in _eval_steps(steps)
+    }
+    return {
+        "first_step_s": first_start,
+        "step_s": statistics.median(periods),
+        "step_ends": ends,
+        "total_s": total,
+        "stages": stage,
+        "checkpoints": {s: str(p) for s, p in ckpts.items()},
+    }
+
+
+def _lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n")
+
+
+# -- TRL -----------------------------------------------------------------------------------------
+
+
+def run_trl(model: str, work: Path, steps: int) -> dict[str, Any]:
+    """TRL in its own process (``--trl-worker``), timed from its launch like trident."""
+    out = work / "trl.json"
+    cmd = [sys.executable, __file__, "--trl-worker", model, str(work), str(steps), str(out)]
+    launch = time.monotonic()
+    with (work / "trl.log").open("w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
+    total = time.monotonic() - launch
+    if code != 0:
+        raise SystemExit(f"the TRL run failed; see {work / 'trl.log'}")
+    result = json.loads(out.read_text())
+    # the worker's clock starts at its first line; the launch before it (the interpreter) counts
+    result["total_s"] = total
+    return result
+
+
+def trl_worker(model: str, work: Path, steps: int, out: Path) -> None:
+    start = time.monotonic()
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    r = recipe(steps)
+    rows = rendered_rows(model, "train")
+    dataset = Dataset.from_list(rows)
+    weights = r["reward_weights"]
+
+    columns = [c for c in dataset.column_names if c != "prompt"]
+
+    def task(completions: list[str], **kw: Any) -> list[float]:
+        """trident's verifier, given the row's columns (TRL passes them as lists)."""
+        return [
+            verifier_score(c, {k: kw[k][i] for k in columns}) for i, c in enumerate(completions)
+        ]
+
+    def fmt(completions: list[str], **_: Any) -> list[float]:
+        return [format_reward(c) for c in completions]
+
+    per_rl_step = r["prompts_per_step"] * r["n"]
+    config = GRPOConfig(
+        output_dir=str(work / "trl"), use_cpu=True, report_to="none", save_strategy="no",
+        logging_steps=1, max_steps=steps * r["mini_batches"], seed=0, disable_tqdm=True,
+        per_device_train_batch_size=per_rl_step // r["mini_batches"],
+        steps_per_generation=r["mini_batches"], num_generations=r["n"], num_iterations=1,
+        max_completion_length=r["max_tokens"], temperature=r["temperature"], top_p=1.0,
+        learning_rate=r["lr"], lr_scheduler_type="constant_with_warmup",
+        warmup_steps=r["warmup_steps"] * r["mini_batches"], weight_decay=0.0, adam_beta1=0.9,
+        adam_beta2=0.999, max_grad_norm=1.0, beta=0.0, epsilon=r["clip_eps"],
+        loss_type="dapo", scale_rewards="group", reward_weights=[weights["task"], weights["format"]],
+        use_vllm=False, dataloader_num_workers=0,
+    )  # fmt: skip
+    timing: dict[str, Any] = {"step_ends": [], "generate_s": [], "save_s": 0.0}
+
+    class Timed(GRPOTrainer):
+        def _generate_and_score_completions(self, *args: Any, **kwargs: Any):
+            t = time.monotonic()
+            result = super()._generate_and_score_completions(*args, **kwargs)
+            timing["generate_s"].append(time.monotonic() - t)
+            return result
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):  # noqa: ANN001
+            timing["first_step_s"] = time.monotonic() - start
+            timing["t0"] = time.monotonic()
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            if state.global_step % r["mini_batches"]:
+                return
+            now = time.monotonic()
+            rl_step = state.global_step // r["mini_batches"]
+            timing["step_ends"].append(now - timing["t0"] - timing["save_s"])
+            if rl_step % EVAL_EVERY == 0 or rl_step == steps:  # saves are not training time
+                trainer.save_model(str(work / "trl" / f"step_{rl_step}"))
+                timing["save_s"] += time.monotonic() - now
+
+    trainer = Timed(
+        model=model, reward_funcs=[task, fmt], args=config, train_dataset=dataset,
+        processing_class=load_tokenizer(model), callbacks=[Clock()],
+    )  # fmt: skip
+    trainer.train()
+    ends = timing["step_ends"]
+    periods = _periods(ends)
+    result = {
+        "first_step_s": timing["first_step_s"],
+        "step_s": statistics.median(periods),
+        "step_ends": ends,
+        "stages": {
+            "generation + scoring": statistics.median(timing["generate_s"]),
+            "rest of the step": statistics.median(periods)
+            - statistics.median(timing["generate_s"]),
+        },
+        "checkpoints": {s: str(work / "trl" / f"step_{s}") for s in _eval_steps(steps)},
+        "threads": torch.get_num_threads(),
+    }
+    out.write_text(json.dumps(result))
+
+
+def _periods(ends: list[float]) -> list[float]:
+    """Each step's wall time, from the step ends (seconds after the first step's start)."""
+    return [ends[0], *(b - a for a, b in itertools.pairwise(ends))]
+
+
+def _eval_steps(steps: int) -> list[int]:
+    return [*range(EVAL_EVERY, steps, EVAL_EVERY), steps]
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def warmed_up_model(work: Path) -> str:
+    """The demo's SFT warm-up (``scripts/demo``'s first two steps), built once per work dir."""
+    sft = work / "demo-sft" / "model"
+    if not (sft / "model.safetensors").exists():
+        trident = [sys.executable, "-m", "trident.cli"]
+        base = work / "demo-base"
+        subprocess.run([*trident, "model", "init", "--preset", "tiny", str(base)], check=True)
+        subprocess.run(
+            [*trident, "sft", "-c", str(RECIPE), f"model.path={base}", f"run.dir={work}",
+             "run.name=demo-sft", f"sft.output={sft}", "run.overwrite=true"],
+            check=True, cwd=REPO,
+        )  # fmt: skip
+    return str(sft)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
+        model, work, steps, out = sys.argv[2:6]
+        return trl_worker(model, Path(work), int(steps), Path(out))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="the SFT checkpoint to start from (default: built here)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--target", type=float, default=0.9, help="held-out accuracy to reach")
+    ap.add_argument("--work", default=str(REPO / "runs" / "bench-vs-trl"))
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model = args.model or warmed_up_model(work)
+    r = recipe(args.steps)
+    test = rendered_rows(model, "test")
+
+    sides = {
+        "trident": run_trident(model, work, args.steps),
+        "TRL": run_trl(model, work, args.steps),
+    }
+    start_acc = heldout_accuracy(model, test, r["max_tokens"])
+    for side in sides.values():
+        side["accuracy"] = {
+            int(s): heldout_accuracy(p, test, r["max_tokens"])
+            for s, p in side["checkpoints"].items()
+        }
+        side["time_to_target_s"] = time_to_target(side["accuracy"], side["step_ends"], args.target)
+    t, h = sides["trident"], sides["TRL"]
+    result = {
+        "benchmark": "vs_trl",
+        "recipe": {"config": "configs/demo.yaml", **r},
+        "model": model,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, cuda={torch.cuda.is_available()}",
+        "start_accuracy": start_acc,
+        "target": args.target,
+        "sides": sides,
+        "ratios": {
+            "step_s (TRL / trident)": h["step_s"] / t["step_s"],
+            "first_step_s (TRL / trident)": h["first_step_s"] / t["first_step_s"],
+            "total_s (TRL / trident)": h["total_s"] / t["total_s"],
+        },
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "vs_trl.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = _markdown(result)
+    (RESULTS / "vs_trl.md").write_text(md)
+    print(md)
+
+
+def _markdown(res: dict[str, Any]) -> str:
+    r, sides = res["recipe"], res["sides"]
+
+    def cell(x: float | None, unit: str = " s") -> str:
+        return "not reached" if x is None else f"{x:.1f}{unit}"
+
+    last = r["steps"]
+    lines = [
+        f"trident vs TRL `GRPOTrainer`, the demo recipe ({r['steps']} steps × "
+        f"{r['prompts_per_step']} prompts × {r['n']} samples, ≤ {r['max_tokens']} new tokens), "
+        f"{res['machine']}. Held-out greedy accuracy at the start: {res['start_accuracy']:.1%}.",
+        "",
+        "| | command → first step | s / RL step (median) | training time to "
+        f"{res['target']:.0%} held-out | held-out after {last} steps | command → exit |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in sides.items():
+        lines.append(
+            f"| {name} | {cell(s['first_step_s'])} | {s['step_s']:.2f} s | "
+            f"{cell(s['time_to_target_s'])} | {s['accuracy'][last]:.1%} | {cell(s['total_s'])} |"
+        )
+    lines += ["", "Ratios (TRL / trident; > 1: trident is faster):", ""]
+    lines += [f"- {k}: **{v:.2f}×**" for k, v in res["ratios"].items()]
+    for name, s in sides.items():
+        lines += ["", f"{name}, median seconds per RL step by stage:", ""]
+        lines += [f"- {k}: {v:.2f} s" for k, v in s["stages"].items()]
+    acc = {name: s["accuracy"] for name, s in sides.items()}
+    lines += ["", "| held-out accuracy at step | " + " | ".join(acc) + " |"]
+    lines += ["|---:|" + "---:|" * len(acc)]
+    for step in sorted(next(iter(acc.values()))):
+        lines.append(f"| {step} | " + " | ".join(f"{a[step]:.1%}" for a in acc.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
