@@ -143,6 +143,33 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollout_serve(args: argparse.Namespace) -> int:
+    """One vLLM server with trident's weight transfer, until Ctrl-C or SIGTERM; runs attach to
+    it with ``rollout.server_urls``."""
+    cfg = _resolve(args)
+    if cfg is None:
+        return 0
+    from trident.rollout.fleet import server_options
+    from trident.rollout.vllm_server import VLLMServer
+    from trident.weights.backend import server_backend
+
+    log = f"{cfg.derived.run_dir}/logs/vllm_server.log"
+    server = VLLMServer(
+        cfg.model.path, log, port=cfg.rollout.base_port, host=args.host,
+        **server_options(cfg, server_backend(cfg.sync)),
+    )  # fmt: skip
+    print(f"starting a rollout server for {cfg.model.path} (log: {log})", file=sys.stderr)
+    url = server.start(cfg.rollout.startup_timeout_s)
+    try:
+        print(f"serving at {url}: attach with 'rollout.server_urls=[{url}]'", flush=True)
+        assert server.proc is not None  # started
+        code = server.proc.wait()  # Ctrl-C / SIGTERM raise out of the wait
+        print(f"the rollout server exited with code {code} (log: {log})", file=sys.stderr)
+        return 2
+    finally:
+        server.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trident", description="RL post-training for language models."
@@ -200,6 +227,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run from the newest complete checkpoint of its run directory",
     )
     p.set_defaults(func=cmd_train)
+
+    rollout = sub.add_parser(
+        "rollout", help="rollout servers", description="Rollout servers runs can attach to."
+    )
+    rollout_sub = rollout.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
+    p = _job_parser(
+        rollout_sub,
+        "serve",
+        "start one vLLM server that runs attach to (rollout.server_urls)",
+        "Start a vLLM server for model.path with trident's weight transfer (the options of the "
+        "servers trident train starts: rollout.*, sync.backend) on rollout.base_port, and keep it "
+        "up until Ctrl-C or SIGTERM. A run with rollout.server_urls=[URL] syncs and verifies it "
+        "like its own and leaves it running.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.set_defaults(func=cmd_rollout_serve)
 
     for register in _plugins():
         register(sub)

@@ -249,6 +249,12 @@ class RolloutConfig(Section):
         description="Seconds between health checks of each server (two misses in a row take "
         "it out); a failed request checks at once (0 = only on failures).",
     )
+    server_urls: list[str] = Field(
+        default_factory=list,
+        description="Attach to vLLM servers started elsewhere (`trident rollout serve`) instead "
+        "of starting rollout.num_servers: trident checks, syncs and verifies them like its own, "
+        "and neither restarts nor stops them.",
+    )
 
 
 class TrainerConfig(Section):

@@ -21,7 +21,7 @@ from trident.config import TridentConfig, save_config
 from trident.pipeline import checkpoint, colocate_async, separate_async, sync
 from trident.pipeline.harness import RunHarness, RunTrainer
 from trident.pipeline.recovery import Fleet
-from trident.rollout.fleet import RolloutFleet
+from trident.rollout.fleet import RolloutFleet, attach
 from trident.rollout.router import Router
 from trident.telemetry.metrics import MetricsLogger
 from trident.train.group import TrainerGroup, TrainerRankError
@@ -68,20 +68,25 @@ def _run_once(cfg: TridentConfig) -> dict[str, Any]:
     )
     started_ray = not ray.is_initialized()
     init_ray(cfg.cluster)
-    roles = {"rollout servers": cfg.rollout.num_servers, "trainer ranks": cfg.trainer.num_ranks}
+    attached = bool(cfg.rollout.server_urls)  # servers started elsewhere: none of ours
+    servers = 0 if attached else cfg.rollout.num_servers
+    roles = {"rollout servers": servers, "trainer ranks": cfg.trainer.num_ranks}
     try:
         check_fits(roles)  # in seconds, before anything starts
         with contextlib.ExitStack() as stack:
             stack.enter_context(_resumable(run_dir))
-            fleet = _started(
-                stack, f"{cfg.rollout.num_servers} rollout server(s)",
-                RolloutFleet(cfg, cfg.model.path, run_dir, server_backend(cfg.sync)),
-            )  # fmt: skip
+            fleet = None
+            if attached:
+                router = attach(cfg)
+            else:
+                fleet = _started(
+                    stack, f"{servers} rollout server(s)",
+                    RolloutFleet(cfg, cfg.model.path, run_dir, server_backend(cfg.sync)),
+                )  # fmt: skip
+                router = fleet.router
             trainer = _started(stack, f"{cfg.trainer.num_ranks} trainer rank(s)", TrainerGroup(cfg))
-            pids = fleet.pids() | trainer.pids
-            results = asyncio.run(
-                run(cfg, fleet.router, trainer, log, resume_from, pids, fleet=fleet)
-            )
+            pids = (fleet.pids() if fleet else {}) | trainer.pids
+            results = asyncio.run(run(cfg, router, trainer, log, resume_from, pids, fleet=fleet))
     finally:
         log.close()
         if started_ray and not cfg.cluster.address:

@@ -18,7 +18,53 @@ from trident.cluster.ray_cluster import role_resources
 from trident.config import TridentConfig
 from trident.rollout.engine import VLLMClient
 from trident.rollout.router import Router
-from trident.rollout.vllm_server import ServerStartError
+from trident.rollout.vllm_server import SERVED_MODEL, ServerStartError
+
+
+def server_options(cfg: TridentConfig, weight_transfer: str | None) -> dict[str, Any]:
+    """``VLLMServer``'s options from the config (the fleet's servers and ``trident rollout
+    serve``'s are started alike)."""
+    rc = cfg.rollout
+    return dict(
+        dtype=cfg.model.dtype,
+        max_model_len=rc.max_model_len,
+        kv_cache_gib=rc.kv_cache_gib,
+        gpu_memory_utilization=rc.gpu_memory_utilization,
+        weight_transfer_backend=weight_transfer,
+        extra_args=list(rc.extra_server_args),
+        seed=cfg.run.seed,
+    )
+
+
+def attach(cfg: TridentConfig) -> Router:
+    """A ``Router`` over ``rollout.server_urls``, servers trident did not start: each must
+    answer ``/health``, serve trident's model name and report a weight version (trident's
+    weight-transfer plugin, which ``trident rollout serve`` loads). Raises ``ServerStartError``
+    naming the server and what is missing."""
+    import httpx
+
+    rc = cfg.rollout
+    for url in rc.server_urls:
+        url = url.rstrip("/")
+        try:
+            httpx.get(f"{url}/health", timeout=10).raise_for_status()
+            models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+            info = httpx.get(f"{url}/weight_info", timeout=10)
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            raise ServerStartError(
+                f"rollout server {url} (rollout.server_urls) does not answer: {e}"
+            ) from None
+        names = [m["id"] for m in models]
+        if SERVED_MODEL not in names or info.status_code != 200:
+            raise ServerStartError(
+                f"rollout server {url} (rollout.server_urls) was not started by `trident rollout "
+                f"serve`: it serves {names}, weight info {info.status_code} (needs model name "
+                f"{SERVED_MODEL!r} and trident's weight transfer)"
+            )
+        root = next(m.get("root") for m in models if m["id"] == SERVED_MODEL)
+        version = info.json().get("weight_version")
+        print(f"attached to rollout server {url} ({root}, weight version {version})", flush=True)
+    return Router([VLLMClient(u, timeout_s=rc.request_timeout_s) for u in rc.server_urls])
 
 
 @ray.remote
@@ -65,15 +111,7 @@ class RolloutFleet(AbstractContextManager):
 
     def __enter__(self) -> RolloutFleet:
         rc = self.cfg.rollout
-        options = dict(
-            dtype=self.cfg.model.dtype,
-            max_model_len=rc.max_model_len,
-            kv_cache_gib=rc.kv_cache_gib,
-            gpu_memory_utilization=rc.gpu_memory_utilization,
-            weight_transfer_backend=self.weight_transfer,
-            extra_args=list(rc.extra_server_args),
-            seed=self.cfg.run.seed,
-        )
+        options = server_options(self.cfg, self.weight_transfer)
         res = role_resources()
         ports = [rc.base_port + i if rc.base_port else 0 for i in range(rc.num_servers)]
         if single_node():  # fail before any actor starts; on a cluster the actor's node checks

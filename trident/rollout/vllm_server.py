@@ -38,6 +38,9 @@ def log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text[-lines:])
 
 
+SERVED_MODEL = "policy"  # the model name trident's servers answer to, whatever the checkpoint
+
+
 class VLLMServer:
     """One vLLM server process: ``start()`` -> url, ``healthy()``, ``stop()``."""
 
@@ -76,7 +79,7 @@ class VLLMServer:
             "--seed",
             str(seed),
             "--served-model-name",
-            "policy",
+            SERVED_MODEL,
             "--disable-log-stats",
             # Logprobs of the distribution actually sampled from (temperature applied), which is
             # what the trainer's importance ratios compare against.

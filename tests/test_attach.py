@@ -1,0 +1,64 @@
+"""Attach mode: a vLLM server started outside ``trident train`` (``trident rollout serve``, in
+its own process) is checked, synced and verified every step by two runs in turn, and left
+running: after them it still answers and serves the second run's final weights. A URL where no
+trident server answers stops a run with one line, before the trainer starts."""
+
+import json
+import re
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import Run, run_cli, wait_gone
+
+STEPS = 3
+
+
+def _train(model: str, run_dir: Path, name: str, url: str) -> list[str]:
+    return [
+        "train", f"model.path={model}", f"run.dir={run_dir}", f"run.name={name}",
+        f"rollout.server_urls=[{url}]", f"pipeline.steps={STEPS}", "pipeline.prompts_per_step=4",
+        "rollout.n=4", "rollout.max_tokens=12", "eval.before_after=false",
+        "telemetry.progress=false", "trainer.cpu_threads=1",
+    ]  # fmt: skip
+
+
+def test_two_runs_sync_and_verify_a_server_they_did_not_start(tiny_model, tmp_path):
+    tag = uuid.uuid4().hex
+    serve = [
+        sys.executable, "-m", "trident.cli", "rollout", "serve", f"model.path={tiny_model}",
+        f"run.dir={tmp_path}", "run.name=server",
+    ]  # fmt: skip
+    server = Run(serve, tag, tmp_path)
+    try:
+        server.wait_for(lambda: "serving at " in server.output)
+        url = re.search(r"rollout\.server_urls=\[(\S+)\]", server.output).group(1)
+        for name in ("first", "second"):
+            r = run_cli(*_train(tiny_model, tmp_path, name, url))
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert f"attached to rollout server {url}" in r.stdout + r.stderr
+            assert "rollout server(s) up" not in r.stderr  # it started none
+            rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").open()]
+            assert [m["step"] for m in rows] == list(range(STEPS))
+            assert all(m["sync/max_abs_dlogp"] < 1e-3 for m in rows)  # every sync verified
+            # left running, at the weights this run pushed last
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+            served = httpx.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
+            assert served == str(STEPS)
+        assert server.proc.poll() is None
+        server.proc.send_signal(signal.SIGTERM)
+    finally:
+        server.finish(timeout=120)
+    assert server.proc.returncode == 143, server.output[-3000:]
+    assert wait_gone(tag) == set()
+
+
+def test_a_url_with_no_trident_server_stops_the_run_in_one_line(tiny_model, tmp_path):
+    r = run_cli(*_train(tiny_model, tmp_path, "r", "http://127.0.0.1:9"), timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rollout server http://127.0.0.1:9 (rollout.server_urls)"), last
+    assert "does not answer" in last
