@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: setup demo demo-gym agent-demo test test-slow test-all lint format bench clean
+.PHONY: setup demo demo-gym agent-demo bench-trl test test-slow test-all lint format clean
 
 setup:
 	@./scripts/setup
@@ -23,6 +23,10 @@ test: setup
 	$(BIN)/lint-imports
 	$(BIN)/basedpyright
 	$(PYTEST) -m "not slow" --timeout=900 --durations=15 tests
+
+bench-trl: setup
+	$(BIN)/python -m pip install --disable-pip-version-check -q -e ".[bench]"
+	$(BIN)/python benchmarks/vs_trl.py
 
 test-slow: setup
 	$(PYTEST) -m "slow" --timeout=3600 tests
