@@ -1,13 +1,19 @@
 """trident against TRL's ``GRPOTrainer`` on the same recipe, side by side in one run.
 
-    pip install -e '.[bench]'            # TRL, for benchmarks only
-    python benchmarks/vs_trl.py [--model SFT_DIR] [--steps 30] [--target 0.9]
+    make bench-trl        # = pip install -e '.[bench]' (TRL) + python benchmarks/vs_trl.py
+    python benchmarks/vs_trl.py [--recipe demo|long|both] [--model SFT_DIR] [--target 0.9]
 
-Both sides start from the same checkpoint (the demo's SFT warm-up, built here unless
-``--model`` names one) and train on the same recipe, ``configs/demo.yaml``: 32 prompts × 8
-samples per RL step, at most 12 new tokens at temperature 1, reward = the task's verifier +
-0.5 × the format reward, lr 3e-4 (constant after warm-up), 2 optimizer steps per batch, no KL,
-the same token-mean PPO-clip loss (TRL's ``loss_type="dapo"``), group-normalised advantages.
+Both sides start from the same checkpoint and train on the same recipe, ``configs/demo.yaml``:
+32 prompts × 8 samples per RL step at temperature 1, reward = the task's verifier + 0.5 × the
+format reward, lr 3e-4 (constant after warm-up), 2 optimizer steps per batch, no KL, the same
+token-mean PPO-clip loss (TRL's ``loss_type="dapo"``), group-normalised advantages. Two recipes:
+
+- ``demo``: 30 steps of the demo, at most 12 new tokens, from the demo's SFT warm-up (built here
+  unless ``--model`` names one); held-out accuracy is measured.
+- ``long``: generation dominates. The demo's warm-up is fine-tuned further to write a scratch
+  line of random digits before its answer, of log-normal length (median 40 tokens, capped at
+  240), so responses have RL's long tail; up to 256 new tokens, 6 steps, timing only.
+
 TRL gets the prompts already rendered by trident's chat template (so the tokens are the same)
 and trident's own reward functions; it generates with HF ``generate`` (no vLLM: TRL's vLLM
 path needs CUDA) and uses every core for one process, as its users run it on a CPU box.
@@ -18,9 +24,10 @@ Each side runs as its own process, timed from its launch:
   server and the trainer for trident; imports, model and dataset for TRL);
 - **s/step**: the median wall time between the ends of consecutive RL steps (everything in
   the loop: generation, reward, training, weight sync, logging);
-- trident's per-stage breakdown (its ``time/*`` metrics): rollout (the step's wait for
-  samples), train, weight sync (push + verify), and the rest of the loop;
-- TRL's split: generation + scoring (``_generate_and_score_completions``) vs the rest;
+- trident's per-stage breakdown (its ``time/*`` metrics, mean per step): rollout (the step's
+  wait for samples), train, weight sync (push + verify), and the rest of the loop;
+- TRL's split (mean per step): generation + scoring (``_generate_and_score_completions``) vs
+  the rest;
 - **held-out accuracy**: greedy answers on the 200 test prompts scored by trident's verifier,
   the same HF-``generate`` evaluation of both sides' saved weights, every 5 steps; and the
   training time (sum of step times) until it first reaches ``--target``.
@@ -34,8 +41,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
+import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,12 +69,20 @@ EVAL_EVERY = 5
 
 # -- shared: the recipe, the prompts, the evaluation ---------------------------------------------
 
+RECIPES: dict[str, dict[str, Any]] = {
+    "demo": {"steps": 30, "overrides": [], "evaluate": True},
+    "long": {"steps": 6, "overrides": ["rollout.max_tokens=256"], "evaluate": False},
+}
 
-def recipe(steps: int) -> dict[str, Any]:
-    """The demo recipe's numbers, read from its config (both sides use exactly these)."""
-    cfg = load_config([RECIPE], [f"pipeline.steps={steps}"])
+
+def recipe(name: str) -> dict[str, Any]:
+    """A recipe's numbers, read from the demo config and the recipe's overrides (both sides use
+    exactly these)."""
+    spec = RECIPES[name]
+    cfg = load_config([RECIPE], [f"pipeline.steps={spec['steps']}", *spec["overrides"]])
     return {
-        "steps": steps,
+        "name": name,
+        **spec,
         "prompts_per_step": cfg.pipeline.prompts_per_step,
         "n": cfg.rollout.n,
         "max_tokens": cfg.rollout.max_tokens,
@@ -127,18 +145,21 @@ def time_to_target(accuracy: dict[int, float], step_ends: list[float], target: f
 # -- trident -------------------------------------------------------------------------------------
 
 
-def run_trident(model: str, work: Path, steps: int) -> dict[str, Any]:
+def run_trident(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
     """``trident train`` on the recipe; step times from when each metrics row appears."""
-    run_dir = work / "trident"
+    name, steps = f"trident-{r['name']}", r["steps"]
+    run_dir = work / name
     cmd = [
         sys.executable, "-m", "trident.cli", "train", "-c", str(RECIPE), f"model.path={model}",
-        f"run.dir={work}", "run.name=trident", "run.overwrite=true", f"pipeline.steps={steps}",
-        f"checkpoint.every={EVAL_EVERY}", f"checkpoint.keep_last={steps // EVAL_EVERY + 1}",
-        "eval.before_after=false", "telemetry.progress=false",
+        f"run.dir={work}", f"run.name={name}", "run.overwrite=true", f"pipeline.steps={steps}",
+        "eval.before_after=false", "telemetry.progress=false", *r["overrides"],
     ]  # fmt: skip
+    if r["evaluate"]:
+        cmd += [f"checkpoint.every={EVAL_EVERY}", f"checkpoint.keep_last={steps // EVAL_EVERY + 1}"]
+    shutil.rmtree(run_dir, ignore_errors=True)  # a previous run's metrics would look like steps
     metrics, seen, arrivals = run_dir / "metrics.jsonl", 0, []
     launch = time.monotonic()
-    with (work / "trident.log").open("w") as log:
+    with (work / f"{name}.log").open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         while proc.poll() is None or (metrics.exists() and _lines(metrics) > seen):
             n = _lines(metrics) if metrics.exists() else 0
@@ -147,26 +168,27 @@ def run_trident(model: str, work: Path, steps: int) -> dict[str, Any]:
             time.sleep(0.05)
     total = time.monotonic() - launch
     if proc.returncode != 0:
-        raise SystemExit(f"trident train failed; see {work / 'trident.log'}")
+        raise SystemExit(f"trident train failed; see {work / f'{name}.log'}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     first_start = arrivals[0] - rows[0]["time/step_s"]
     stage = {
-        "rollout": statistics.median(r["time/wait_s"] for r in rows),
-        "train": statistics.median(r["time/train_s"] for r in rows),
-        "weight sync": statistics.median(r["time/sync_s"] for r in rows),
+        "rollout": statistics.mean(m["time/wait_s"] for m in rows),
+        "train": statistics.mean(m["time/train_s"] for m in rows),
+        "weight sync": statistics.mean(m["time/sync_s"] for m in rows),
     }
     ends = [a - first_start for a in arrivals]
     periods = _periods(ends)
-    stage["rest of the loop"] = statistics.median(periods) - sum(stage.values())
+    stage["rest of the loop"] = statistics.mean(periods) - sum(stage.values())
     ckpts = {
         s: run_dir / "checkpoints" / (f"step_{s}" if s < steps else "final")
-        for s in _eval_steps(steps)
+        for s in (_eval_steps(steps) if r["evaluate"] else [])
     }
     return {
         "first_step_s": first_start,
         "step_s": statistics.median(periods),
         "step_ends": ends,
         "total_s": total,
+        "response_tokens_mean": statistics.median(m["response_len_mean"] for m in rows),
         "stages": stage,
         "checkpoints": {s: str(p) for s, p in ckpts.items()},
     }
@@ -179,29 +201,28 @@ def _lines(path: Path) -> int:
 # -- TRL -----------------------------------------------------------------------------------------
 
 
-def run_trl(model: str, work: Path, steps: int) -> dict[str, Any]:
+def run_trl(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
     """TRL in its own process (``--trl-worker``), timed from its launch like trident."""
-    out = work / "trl.json"
-    cmd = [sys.executable, __file__, "--trl-worker", model, str(work), str(steps), str(out)]
+    name = f"trl-{r['name']}"
+    spec, out = work / f"{name}.recipe.json", work / f"{name}.json"
+    spec.write_text(json.dumps(r))
+    cmd = [sys.executable, __file__, "--trl-worker", model, str(work), str(spec), str(out)]
     launch = time.monotonic()
-    with (work / "trl.log").open("w") as log:
+    with (work / f"{name}.log").open("w") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
-    total = time.monotonic() - launch
     if code != 0:
-        raise SystemExit(f"the TRL run failed; see {work / 'trl.log'}")
-    result = json.loads(out.read_text())
-    # the worker's clock starts at its first line; the launch before it (the interpreter) counts
-    result["total_s"] = total
-    return result
+        raise SystemExit(f"the TRL run failed; see {work / f'{name}.log'}")
+    return json.loads(out.read_text()) | {"total_s": time.monotonic() - launch}
 
 
-def trl_worker(model: str, work: Path, steps: int, out: Path) -> None:
+def trl_worker(model: str, work: Path, spec: Path, out: Path) -> None:
     start = time.monotonic()
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    r = recipe(steps)
+    r = json.loads(spec.read_text())
+    steps, saves = r["steps"], work / f"trl-{r['name']}"
     rows = rendered_rows(model, "train")
     dataset = Dataset.from_list(rows)
     weights = r["reward_weights"]
@@ -219,7 +240,7 @@ def trl_worker(model: str, work: Path, steps: int, out: Path) -> None:
 
     per_rl_step = r["prompts_per_step"] * r["n"]
     config = GRPOConfig(
-        output_dir=str(work / "trl"), use_cpu=True, report_to="none", save_strategy="no",
+        output_dir=str(saves), use_cpu=True, report_to="none", save_strategy="no",
         logging_steps=1, max_steps=steps * r["mini_batches"], seed=0, disable_tqdm=True,
         per_device_train_batch_size=per_rl_step // r["mini_batches"],
         steps_per_generation=r["mini_batches"], num_generations=r["n"], num_iterations=1,
@@ -230,7 +251,7 @@ def trl_worker(model: str, work: Path, steps: int, out: Path) -> None:
         loss_type="dapo", scale_rewards="group", reward_weights=[weights["task"], weights["format"]],
         use_vllm=False, dataloader_num_workers=0,
     )  # fmt: skip
-    timing: dict[str, Any] = {"step_ends": [], "generate_s": [], "save_s": 0.0}
+    timing: dict[str, Any] = {"step_ends": [], "generate_s": [], "lengths": [], "save_s": 0.0}
 
     class Timed(GRPOTrainer):
         def _generate_and_score_completions(self, *args: Any, **kwargs: Any):
@@ -250,9 +271,13 @@ def trl_worker(model: str, work: Path, steps: int, out: Path) -> None:
             now = time.monotonic()
             rl_step = state.global_step // r["mini_batches"]
             timing["step_ends"].append(now - timing["t0"] - timing["save_s"])
-            if rl_step % EVAL_EVERY == 0 or rl_step == steps:  # saves are not training time
-                trainer.save_model(str(work / "trl" / f"step_{rl_step}"))
-                timing["save_s"] += time.monotonic() - now
+            if r["evaluate"] and (rl_step % EVAL_EVERY == 0 or rl_step == steps):
+                trainer.save_model(str(saves / f"step_{rl_step}"))
+                timing["save_s"] += time.monotonic() - now  # saves are not training time
+
+        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
+            if logs and "completions/mean_length" in logs:
+                timing["lengths"].append(float(logs["completions/mean_length"]))
 
     trainer = Timed(
         model=model, reward_funcs=[task, fmt], args=config, train_dataset=dataset,
@@ -266,11 +291,13 @@ def trl_worker(model: str, work: Path, steps: int, out: Path) -> None:
         "step_s": statistics.median(periods),
         "step_ends": ends,
         "stages": {
-            "generation + scoring": statistics.median(timing["generate_s"]),
-            "rest of the step": statistics.median(periods)
-            - statistics.median(timing["generate_s"]),
+            "generation + scoring": statistics.mean(timing["generate_s"]),
+            "rest of the step": statistics.mean(periods) - statistics.mean(timing["generate_s"]),
         },
-        "checkpoints": {s: str(work / "trl" / f"step_{s}") for s in _eval_steps(steps)},
+        "response_tokens_mean": statistics.median(timing["lengths"]),
+        "checkpoints": {
+            s: str(saves / f"step_{s}") for s in (_eval_steps(steps) if r["evaluate"] else [])
+        },
         "threads": torch.get_num_threads(),
     }
     out.write_text(json.dumps(result))
@@ -303,86 +330,115 @@ def warmed_up_model(work: Path) -> str:
     return str(sft)
 
 
+def long_warmed_up_model(work: Path, demo_sft: str) -> str:
+    """The demo's warm-up fine-tuned to write a scratch line of random digits (log-normal
+    length: median 40 tokens, capped at 240) before ``Answer: N``, so sampled responses have a
+    long tail of lengths; built once per work dir."""
+    sft = work / "long-sft" / "model"
+    if not (sft / "model.safetensors").exists():
+        rng = random.Random(0)
+        cfg = load_config([RECIPE], [])
+        data = work / "long-sft.jsonl"
+        with data.open("w") as f:
+            for row in load_split(cfg.data, "train", cfg.run.seed):
+                digits = min(120, int(rng.lognormvariate(math.log(20), 0.9)))
+                scratch = " ".join(rng.choice("0123456789") for _ in range(digits))
+                response = f"{scratch}\nAnswer: {row['answer']}"
+                line = {"prompt": row["prompt"], "answer": row["answer"], "response": response}
+                f.write(json.dumps(line) + "\n")
+        subprocess.run(
+            [sys.executable, "-m", "trident.cli", "sft", "-c", str(RECIPE),
+             f"model.path={demo_sft}", f"data.train_path={data}", "sft.steps=300",
+             "sft.max_seq_len=320", f"run.dir={work}", "run.name=long-sft",
+             f"sft.output={sft}", "run.overwrite=true"],
+            check=True, cwd=REPO,
+        )  # fmt: skip
+    return str(sft)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
-        model, work, steps, out = sys.argv[2:6]
-        return trl_worker(model, Path(work), int(steps), Path(out))
+        model, work, spec, out = sys.argv[2:6]
+        return trl_worker(model, Path(work), Path(spec), Path(out))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="the SFT checkpoint to start from (default: built here)")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--recipe", choices=[*RECIPES, "both"], default="both")
+    ap.add_argument("--model", help="the demo's SFT checkpoint (default: built here)")
     ap.add_argument("--target", type=float, default=0.9, help="held-out accuracy to reach")
     ap.add_argument("--work", default=str(REPO / "runs" / "bench-vs-trl"))
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model = args.model or warmed_up_model(work)
-    r = recipe(args.steps)
-    test = rendered_rows(model, "test")
-
-    sides = {
-        "trident": run_trident(model, work, args.steps),
-        "TRL": run_trl(model, work, args.steps),
-    }
-    start_acc = heldout_accuracy(model, test, r["max_tokens"])
-    for side in sides.values():
-        side["accuracy"] = {
-            int(s): heldout_accuracy(p, test, r["max_tokens"])
-            for s, p in side["checkpoints"].items()
+    demo_sft = args.model or warmed_up_model(work)
+    results = []
+    for name in RECIPES if args.recipe == "both" else [args.recipe]:
+        r = recipe(name)
+        model = demo_sft if name == "demo" else long_warmed_up_model(work, demo_sft)
+        sides = {"trident": run_trident(model, work, r), "TRL": run_trl(model, work, r)}
+        res: dict[str, Any] = {"recipe": r, "model": model, "sides": sides}
+        if r["evaluate"]:
+            test = rendered_rows(model, "test")
+            res["start_accuracy"] = heldout_accuracy(model, test, r["max_tokens"])
+            for side in sides.values():
+                side["accuracy"] = {
+                    int(s): heldout_accuracy(p, test, r["max_tokens"])
+                    for s, p in side["checkpoints"].items()
+                }
+                side["time_to_target_s"] = time_to_target(
+                    side["accuracy"], side["step_ends"], args.target
+                )
+        t, h = sides["trident"], sides["TRL"]
+        res["ratios"] = {
+            "s / RL step": h["step_s"] / t["step_s"],
+            "command → first step": h["first_step_s"] / t["first_step_s"],
+            "command → exit": h["total_s"] / t["total_s"],
         }
-        side["time_to_target_s"] = time_to_target(side["accuracy"], side["step_ends"], args.target)
-    t, h = sides["trident"], sides["TRL"]
+        results.append(res)
     result = {
         "benchmark": "vs_trl",
-        "recipe": {"config": "configs/demo.yaml", **r},
-        "model": model,
+        "config": "configs/demo.yaml",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, cuda={torch.cuda.is_available()}",
-        "start_accuracy": start_acc,
         "target": args.target,
-        "sides": sides,
-        "ratios": {
-            "step_s (TRL / trident)": h["step_s"] / t["step_s"],
-            "first_step_s (TRL / trident)": h["first_step_s"] / t["first_step_s"],
-            "total_s (TRL / trident)": h["total_s"] / t["total_s"],
-        },
+        "recipes": results,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "vs_trl.json").write_text(json.dumps(result, indent=2) + "\n")
-    md = _markdown(result)
+    md = "\n".join(_markdown(res, result) for res in results)
     (RESULTS / "vs_trl.md").write_text(md)
     print(md)
 
 
-def _markdown(res: dict[str, Any]) -> str:
+def _markdown(res: dict[str, Any], result: dict[str, Any]) -> str:
     r, sides = res["recipe"], res["sides"]
 
-    def cell(x: float | None, unit: str = " s") -> str:
-        return "not reached" if x is None else f"{x:.1f}{unit}"
+    def cell(x: float | None) -> str:
+        return "not reached" if x is None else f"{x:.1f} s"
 
-    last = r["steps"]
-    lines = [
-        f"trident vs TRL `GRPOTrainer`, the demo recipe ({r['steps']} steps × "
-        f"{r['prompts_per_step']} prompts × {r['n']} samples, ≤ {r['max_tokens']} new tokens), "
-        f"{res['machine']}. Held-out greedy accuracy at the start: {res['start_accuracy']:.1%}.",
-        "",
-        "| | command → first step | s / RL step (median) | training time to "
-        f"{res['target']:.0%} held-out | held-out after {last} steps | command → exit |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    head = (
+        f"**{r['name']}** recipe: {r['steps']} steps × {r['prompts_per_step']} prompts × "
+        f"{r['n']} samples, ≤ {r['max_tokens']} new tokens ({result['machine']})."
+    )
+    cols = ["command → first step", "s / RL step (median)", "response tokens (mean)"]
+    if r["evaluate"]:
+        head += f" Held-out greedy accuracy at the start: {res['start_accuracy']:.1%}."
+        cols += [f"training time to {result['target']:.0%} held-out", "held-out at the end"]
+    lines = [head, "", "| | " + " | ".join([*cols, "command → exit"]) + " |"]
+    lines.append("|---|" + "---:|" * (len(cols) + 1))
     for name, s in sides.items():
-        lines.append(
-            f"| {name} | {cell(s['first_step_s'])} | {s['step_s']:.2f} s | "
-            f"{cell(s['time_to_target_s'])} | {s['accuracy'][last]:.1%} | {cell(s['total_s'])} |"
-        )
-    lines += ["", "Ratios (TRL / trident; > 1: trident is faster):", ""]
-    lines += [f"- {k}: **{v:.2f}×**" for k, v in res["ratios"].items()]
+        row = [cell(s["first_step_s"]), f"{s['step_s']:.2f} s", f"{s['response_tokens_mean']:.1f}"]
+        if r["evaluate"]:
+            row += [cell(s["time_to_target_s"]), f"{s['accuracy'][r['steps']]:.1%}"]
+        lines.append(f"| {name} | " + " | ".join([*row, cell(s["total_s"])]) + " |")
+    lines += ["", "TRL / trident (> 1: trident is faster): "]
+    lines[-1] += ", ".join(f"{k} **{v:.2f}×**" for k, v in res["ratios"].items()) + "."
     for name, s in sides.items():
-        lines += ["", f"{name}, median seconds per RL step by stage:", ""]
-        lines += [f"- {k}: {v:.2f} s" for k, v in s["stages"].items()]
-    acc = {name: s["accuracy"] for name, s in sides.items()}
-    lines += ["", "| held-out accuracy at step | " + " | ".join(acc) + " |"]
-    lines += ["|---:|" + "---:|" * len(acc)]
-    for step in sorted(next(iter(acc.values()))):
-        lines.append(f"| {step} | " + " | ".join(f"{a[step]:.1%}" for a in acc.values()) + " |")
+        stages = ", ".join(f"{k} {v:.2f} s" for k, v in s["stages"].items())
+        lines += ["", f"{name}, mean seconds per RL step by stage: {stages}."]
+    if r["evaluate"]:
+        acc = {name: s["accuracy"] for name, s in sides.items()}
+        lines += ["", "| held-out accuracy at step | " + " | ".join(acc) + " |"]
+        lines += ["|---:|" + "---:|" * len(acc)]
+        for step in sorted(next(iter(acc.values()))):
+            lines.append(f"| {step} | " + " | ".join(f"{a[step]:.1%}" for a in acc.values()) + " |")
     return "\n".join(lines) + "\n"
 
 
