@@ -57,6 +57,8 @@ class RolloutEngine(Protocol):
         ...
 
 
+SERVED_MODEL = "policy"  # the model name trident's servers answer to, whatever the checkpoint
+
 DROPPED_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
@@ -80,7 +82,7 @@ def engine_error(where: str, error: Exception) -> EngineError:
 class VLLMClient:
     """HTTP client of one vLLM server (``RolloutEngine``)."""
 
-    def __init__(self, url: str, timeout_s: float = 300.0, model: str = "policy") -> None:
+    def __init__(self, url: str, timeout_s: float = 300.0, model: str = SERVED_MODEL) -> None:
         self.url, self.model = url.rstrip("/"), model
         self.timeout_s = timeout_s
         self.outstanding = 0  # requests in flight, read by the router

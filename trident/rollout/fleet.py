@@ -16,9 +16,9 @@ from ray.exceptions import GetTimeoutError, RayTaskError
 from trident.cluster.net import check_port_free, node_ip, single_node
 from trident.cluster.ray_cluster import role_resources
 from trident.config import TridentConfig
-from trident.rollout.engine import VLLMClient
+from trident.rollout.engine import SERVED_MODEL, VLLMClient
 from trident.rollout.router import Router
-from trident.rollout.vllm_server import SERVED_MODEL, ServerStartError
+from trident.rollout.vllm_server import ServerStartError
 
 
 def server_options(cfg: TridentConfig, weight_transfer: str | None) -> dict[str, Any]:

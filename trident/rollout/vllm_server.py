@@ -24,6 +24,7 @@ import httpx
 
 from trident.cluster.net import check_port_free, free_port
 from trident.cluster.process import die_with_parent
+from trident.rollout.engine import SERVED_MODEL
 
 
 class ServerStartError(RuntimeError):
@@ -36,9 +37,6 @@ def log_tail(path: Path, lines: int = 30) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text[-lines:])
-
-
-SERVED_MODEL = "policy"  # the model name trident's servers answer to, whatever the checkpoint
 
 
 class VLLMServer:
