@@ -4,15 +4,12 @@ running: after them it still answers and serves the second run's final weights. 
 trident server answers stops a run with one line, before the trainer starts."""
 
 import json
-import re
-import signal
-import sys
 import uuid
 from pathlib import Path
 
 import httpx
 
-from tests.conftest import Run, run_cli, wait_gone
+from tests.conftest import rollout_server, run_cli, wait_gone
 
 STEPS = 3
 
@@ -28,14 +25,7 @@ def _train(model: str, run_dir: Path, name: str, url: str) -> list[str]:
 
 def test_two_runs_sync_and_verify_a_server_they_did_not_start(tiny_model, tmp_path):
     tag = uuid.uuid4().hex
-    serve = [
-        sys.executable, "-m", "trident.cli", "rollout", "serve", f"model.path={tiny_model}",
-        f"run.dir={tmp_path}", "run.name=server",
-    ]  # fmt: skip
-    server = Run(serve, tag, tmp_path)
-    try:
-        server.wait_for(lambda: "serving at " in server.output)
-        url = re.search(r"rollout\.server_urls=\[(\S+)\]", server.output).group(1)
+    with rollout_server(tiny_model, tmp_path, tag) as (url, server):
         for name in ("first", "second"):
             r = run_cli(*_train(tiny_model, tmp_path, name, url))
             assert r.returncode == 0, r.stderr[-3000:]
@@ -48,10 +38,6 @@ def test_two_runs_sync_and_verify_a_server_they_did_not_start(tiny_model, tmp_pa
             assert httpx.get(f"{url}/health", timeout=10).status_code == 200
             served = httpx.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
             assert served == str(STEPS)
-        assert server.proc.poll() is None
-        server.proc.send_signal(signal.SIGTERM)
-    finally:
-        server.finish(timeout=120)
     assert server.proc.returncode == 143, server.output[-3000:]
     assert wait_gone(tag) == set()
 
