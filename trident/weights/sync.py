@@ -40,11 +40,12 @@ On GPUs, ``backend="nccl"`` / ``"ipc"`` drive vLLM's own trainer-side engines
 same pause/resume and ``verify`` apply.
 
 Delta sync (``delta=True``): a bucket then holds, per tensor, the XOR of the new bits with the
-bits the servers hold, in byte planes, zstd-compressed (``trident.weights.delta``), tagged with the
-base version and base checksum it applies to. The sender keeps what each server holds (version
-and weights checksum) and, to encode the next delta, a CPU copy of the last pushed weights (one
-model on rank 0). Each server keeps the same copy in the trainer's layout (the engine repacks its
-own tensors, so it cannot XOR against them): one model of extra memory per server. A server that
+bits the servers hold, zstd-compressed as the changed elements' gaps and values when few changed,
+as byte planes otherwise (``trident.weights.delta``), tagged with the base version and base
+checksum it applies to. The sender keeps what each server holds (version and weights checksum)
+and, to encode the next delta, a CPU copy of the last pushed weights (one model on rank 0). Each
+server keeps the same base in the trainer's layout (the engine repacks its own tensors, so it
+cannot XOR against them): one model of extra memory. A server that
 holds another base refuses the delta (``BASE_MISMATCH``); ``on_base_mismatch="full"`` then
 resends the same version in full, ``"fail"`` raises. Every ``full_every``-th sync is full, the
 first one always, and one after any failure (the sender no longer knows what a server holds).
