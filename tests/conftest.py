@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,6 +75,18 @@ def teacher_model(demo_sft_model, tmp_path_factory) -> str:
         "sft.lr=1e-3",
         "sft.warmup_steps=5",
     )
+
+
+@pytest.fixture(scope="session")
+def demo_server(demo_sft_model, tmp_path_factory) -> Iterator[str]:
+    """The URL of one vLLM server of ``demo_sft_model`` (``rollout_server``) for the whole
+    session. Runs whose point is not the server's own life (learning, resume, rewards) attach
+    to it with ``rollout.server_urls``, which saves each a server start-up (about 40 s). A run
+    installs its own weights on the servers before its first request (``RunHarness.begin``), so
+    what one run leaves on the server does not reach the next."""
+    tag = uuid.uuid4().hex
+    with rollout_server(demo_sft_model, tmp_path_factory.mktemp("demo_server"), tag) as (url, _):
+        yield url
 
 
 def mask_spans(mask: list[int]) -> list[tuple[int, int]]:

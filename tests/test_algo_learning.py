@@ -374,13 +374,16 @@ MEASURED = {
 }
 
 
-def learn(model: str, tmp_path_factory, name: str, steps: int, *overrides: str) -> list[dict]:
-    """Train ``steps`` steps from ``model``; assert that accuracy rose; return the metrics."""
+def learn(
+    model: str, url: str, tmp_path_factory, name: str, steps: int, *overrides: str
+) -> list[dict]:
+    """Train ``steps`` steps from ``model`` (served by the session's server at ``url``); assert
+    that accuracy rose; return the metrics."""
     run_dir = tmp_path_factory.mktemp(name)
     cfg = load_config(
         [],
         [f"model.path={model}", f"run.dir={run_dir}", f"run.name={name}",
-         f"pipeline.steps={steps}", *LEARN, *overrides],
+         f"rollout.server_urls=[{url}]", f"pipeline.steps={steps}", *LEARN, *overrides],
     )  # fmt: skip
     t0 = time.perf_counter()
     results = run_train(cfg)
@@ -404,9 +407,15 @@ def first_last(metrics: list[dict], key: str, k: int = 3) -> tuple[float, float]
     )
 
 
-def test_ppo_with_a_critic_learns(demo_sft_model, tmp_path_factory):
+def test_ppo_with_a_critic_learns(demo_sft_model, demo_server, tmp_path_factory):
     metrics = learn(
-        demo_sft_model, tmp_path_factory, "ppo", 12, "algo.name=ppo", "trainer.critic_lr=1e-3"
+        demo_sft_model,
+        demo_server,
+        tmp_path_factory,
+        "ppo",
+        12,
+        "algo.name=ppo",
+        "trainer.critic_lr=1e-3",
     )
     # the critic learns too: its loss falls. Its explained variance stays small here (the return
     # depends on tokens the state has not seen yet)
@@ -415,12 +424,14 @@ def test_ppo_with_a_critic_learns(demo_sft_model, tmp_path_factory):
     assert v_end < 0.75 * v_start, [round(m["value_loss"], 4) for m in metrics]
 
 
-def test_on_policy_distillation_learns(demo_sft_model, teacher_model, tmp_path_factory):
+def test_on_policy_distillation_learns(
+    demo_sft_model, demo_server, teacher_model, tmp_path_factory
+):
     """Teacher: a better checkpoint (``teacher_model``: the warm-up trained further in the
     verifier's style only). Reward weight 0 (the ``opd`` preset): the student learns from the
     teacher's per-token logprobs alone, and its accuracy, which it never sees, rises."""
     metrics = learn(
-        demo_sft_model, tmp_path_factory, "opd", 8,
+        demo_sft_model, demo_server, tmp_path_factory, "opd", 8,
         "algo.name=opd", f"model.teacher_paths.default={teacher_model}", "trainer.lr=5e-4",
     )  # fmt: skip
     kl_start, kl_end = first_last(metrics, "distill_kl")
@@ -438,5 +449,5 @@ SLOW_PRESETS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(SLOW_PRESETS))
-def test_preset_learns(preset, demo_sft_model, tmp_path_factory):
-    learn(demo_sft_model, tmp_path_factory, preset, 12, *SLOW_PRESETS[preset])
+def test_preset_learns(preset, demo_sft_model, demo_server, tmp_path_factory):
+    learn(demo_sft_model, demo_server, tmp_path_factory, preset, 12, *SLOW_PRESETS[preset])

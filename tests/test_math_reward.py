@@ -140,7 +140,7 @@ def test_cancellation_by_the_reward_timeout_kills_the_worker():
         pool.close()
 
 
-def test_grpo_with_the_math_reward_through_the_cli(demo_sft_model, tmp_path):
+def test_grpo_with_the_math_reward_through_the_cli(demo_sft_model, demo_server, tmp_path):
     """Three GRPO steps from the demo warm-up, scored only by ``math``: every sample scored (no
     infra_error) and the arithmetic the warm-up learned earns reward."""
     r = run_cli(
@@ -148,6 +148,7 @@ def test_grpo_with_the_math_reward_through_the_cli(demo_sft_model, tmp_path):
         f"model.path={demo_sft_model}",
         f"run.dir={tmp_path}",
         "run.name=math",
+        f"rollout.server_urls=[{demo_server}]",
         "reward.fns=[{name: math}]",
         "pipeline.steps=3",
         "pipeline.prompts_per_step=4",

@@ -3,10 +3,9 @@
 
 Each mode runs three times through the real command line (FSDP2 trainer on Ray, from the demo's
 warm-up so rewards vary): uninterrupted; killed with SIGKILL right after the step-N checkpoint
-is complete (the driver is then in step N+1); resumed. Every run attaches to one vLLM server
-(``trident rollout serve``, started once for the module): each run pushes its own weights at
-its start, so a server that outlives a killed run is what a resume meets in attach mode, and
-sharing it saves five server start-ups. In the deterministic mode
+is complete (the driver is then in step N+1); resumed. Every run attaches to the session's vLLM server
+(``demo_server``, a ``trident rollout serve``): each run installs its own weights at its start,
+so a server that outlives a killed run is what a resume meets in attach mode. In the deterministic mode
 (``run.deterministic``: every sample seeded from its group id) the resumed run must train the same
 sample ids in the same steps, at the same weight versions, with the same rewards and losses,
 and end on the same weights. The token ledger continues across the resume, and the killed run
@@ -31,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, rollout_server, start_until, tagged_env, wait_gone
+from tests.conftest import REPO, start_until, tagged_env, wait_gone
 from trident.telemetry.lineage import read_samples
 from trident.telemetry.metrics import read_metrics
 
@@ -39,18 +38,11 @@ N = 3
 COMPARED = ("reward_mean", "generated/reward_mean", "response_len_mean", "loss", "grad_norm")
 
 
-@pytest.fixture(scope="module")
-def server_url(demo_sft_model, tmp_path_factory):
-    tag = uuid.uuid4().hex
-    with rollout_server(demo_sft_model, tmp_path_factory.mktemp("server"), tag) as (url, _):
-        yield url
-
-
 def _cmd(model: str, url: str, run_dir: Path, name: str, mode: str, *extra: str) -> list[str]:
     eta = "1" if mode == "separate_async" else "0"
     return [
         sys.executable, "-m", "trident.cli", "train", f"model.path={model}", f"run.dir={run_dir}",
-        f"run.name={name}", f"rollout.server_urls=[{url}]", f"pipeline.mode={mode}", f"pipeline.max_staleness={eta}",
+        f"run.name={name}", f"rollout.demo_servers=[{url}]", f"pipeline.mode={mode}", f"pipeline.max_staleness={eta}",
         f"pipeline.steps={2 * N}", "pipeline.prompts_per_step=4", "rollout.n=4",
         "rollout.max_tokens=16", f"checkpoint.every={N}", "checkpoint.keep_last=2",
         "run.deterministic=true", "eval.before_after=false", "telemetry.progress=false",
@@ -96,7 +88,7 @@ def _resumed_and_whole(
     return tmp_path / "killed", tmp_path / "whole"
 
 
-def test_sync_resume_equals_an_uninterrupted_run(demo_sft_model, server_url, tmp_path):
+def test_sync_resume_equals_an_uninterrupted_run(demo_sft_model, demo_server, tmp_path):
     """Killed while it writes a checkpoint after step N (every step is checkpointed in the
     killed run, which changes nothing it computes): the half-written checkpoint is never
     picked, the resume starts from the one before and the steps in between are trained again,
@@ -113,7 +105,7 @@ def test_sync_resume_equals_an_uninterrupted_run(demo_sft_model, server_url, tmp
         return False
 
     resumed, whole = _resumed_and_whole(
-        "sync", demo_sft_model, server_url, tmp_path, "checkpoint.every=1", killed_when=kill_now
+        "sync", demo_sft_model, demo_server, tmp_path, "checkpoint.every=1", killed_when=kill_now
     )
     assert half_written
     assert not any(ckpts.glob(".tmp-*"))  # cleared by the resume
@@ -133,12 +125,12 @@ def test_sync_resume_equals_an_uninterrupted_run(demo_sft_model, server_url, tmp
         assert (a[name] - b[name]).abs().max() <= 1e-5, name
 
 
-def test_separate_async_resume_loses_and_repeats_no_sample(demo_sft_model, server_url, tmp_path):
+def test_separate_async_resume_loses_and_repeats_no_sample(demo_sft_model, demo_server, tmp_path):
     """Streaming is timing-dependent (which group finishes first, where an update interrupts a
     response), so two runs differ step by step; what must hold is that the resumed run trains
     every prompt drawn exactly once, like the uninterrupted one, with groups caught in flight
     by the checkpoint continued, and the ledger balanced."""
-    resumed, whole = _resumed_and_whole("separate_async", demo_sft_model, server_url, tmp_path)
+    resumed, whole = _resumed_and_whole("separate_async", demo_sft_model, demo_server, tmp_path)
     state = torch.load(resumed / "checkpoints" / f"step_{N}" / "run_state.pt", weights_only=False)
     caught = {g.group_id for g in state["inflight"]}
     caught |= {s.group_id for _, samples in state["buffer"]["ready"] for s in samples}
