@@ -121,7 +121,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         args.overrides.append("run.resume=auto")
     cfg = _resolve(args)
-    if cfg is None:
+    if cfg is None:  # a dry run: the config was printed; the placement plan follows
+        from trident.cluster.placement import local_resources, plan_for
+
+        cfg = load_config(args.config, args.overrides)
+        plan = plan_for(cfg, local_resources()).describe()
+        where = "this machine's" if not cfg.cluster.address else "this machine's, not the cluster's"
+        print(f"{plan}\n  (from {where} devices)", file=sys.stderr)
         return 0
     from rich.console import Console
 
@@ -268,7 +274,7 @@ def _plugins() -> list[Callable]:
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
     from trident.cluster.net import PortInUseError
-    from trident.cluster.ray_cluster import PlacementError
+    from trident.cluster.placement import PlacementError
     from trident.data.loaders import DataError
     from trident.models.load import ModelPathError
     from trident.pipeline.harness import LedgerError

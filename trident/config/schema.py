@@ -469,6 +469,13 @@ class ClusterConfig(Section):
         description="Ray address to join (`auto`, `ray://host:10001`); empty = start a local instance.",
     )
     num_cpus: int = Field(default=0, ge=0, description="CPUs for a local Ray instance (0 = all).")
+    placement: Literal["auto", "colocated", "disaggregated"] = Field(
+        default="auto",
+        description="Where trainer ranks and rollout servers run on GPUs: `colocated` (rank i and "
+        "server i share device i; the server keeps to rollout.gpu_memory_utilization), "
+        "`disaggregated` (a device per actor), `auto` (disaggregated when every actor gets a "
+        "device, else colocated: a one-GPU box colocates). `trident train --dry-run` prints the plan.",
+    )
 
 
 class TelemetryConfig(Section):

@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 import ray
 
-from trident.cluster.ray_cluster import check_fits, init_ray
+from trident.cluster.placement import plan_for, reserve
+from trident.cluster.ray_cluster import init_ray
 from trident.config import TridentConfig, save_config
 from trident.pipeline import checkpoint, colocate_async, separate_async, sync
 from trident.pipeline.harness import RunHarness, RunTrainer
@@ -69,22 +70,23 @@ def _run_once(cfg: TridentConfig) -> dict[str, Any]:
     started_ray = not ray.is_initialized()
     init_ray(cfg.cluster)
     attached = bool(cfg.rollout.server_urls)  # servers started elsewhere: none of ours
-    servers = 0 if attached else cfg.rollout.num_servers
-    roles = {"rollout servers": servers, "trainer ranks": cfg.trainer.num_ranks}
     try:
-        check_fits(roles)  # in seconds, before anything starts
         with contextlib.ExitStack() as stack:
+            # checked in seconds, before anything starts; every role's actors go in the group
+            plan = stack.enter_context(reserve(plan_for(cfg, ray.cluster_resources())))
             stack.enter_context(_resumable(run_dir))
             fleet = None
             if attached:
                 router = attach(cfg)
             else:
                 fleet = _started(
-                    stack, f"{servers} rollout server(s)",
-                    RolloutFleet(cfg, cfg.model.path, run_dir, server_backend(cfg.sync)),
+                    stack, f"{cfg.rollout.num_servers} rollout server(s)",
+                    RolloutFleet(cfg, cfg.model.path, run_dir, server_backend(cfg.sync), plan),
                 )  # fmt: skip
                 router = fleet.router
-            trainer = _started(stack, f"{cfg.trainer.num_ranks} trainer rank(s)", TrainerGroup(cfg))
+            trainer = _started(
+                stack, f"{cfg.trainer.num_ranks} trainer rank(s)", TrainerGroup(cfg, plan)
+            )
             pids = (fleet.pids() if fleet else {}) | trainer.pids
             results = asyncio.run(run(cfg, router, trainer, log, resume_from, pids, fleet=fleet))
     finally:

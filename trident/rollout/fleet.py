@@ -14,7 +14,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
 
 from trident.cluster.net import check_port_free, node_ip, single_node
-from trident.cluster.ray_cluster import role_resources
+from trident.cluster.placement import Plan, make_plan
 from trident.config import TridentConfig
 from trident.rollout.engine import SERVED_MODEL, VLLMClient
 from trident.rollout.router import Router
@@ -102,8 +102,12 @@ class RolloutFleet(AbstractContextManager):
         model_path: str,
         run_dir: str | Path,
         weight_transfer: str | None = None,
+        plan: Plan | None = None,
     ) -> None:
+        """``plan``: where the servers run (``trident.cluster.placement``); by default each
+        asks for its share of a device of the cluster, outside any placement group."""
         self.cfg, self.model_path = cfg, model_path
+        self.plan = plan
         self.log_dir = Path(run_dir) / "logs"
         self.weight_transfer = weight_transfer
         self.actors: list[Any] = []
@@ -112,14 +116,17 @@ class RolloutFleet(AbstractContextManager):
     def __enter__(self) -> RolloutFleet:
         rc = self.cfg.rollout
         options = server_options(self.cfg, self.weight_transfer)
-        res = role_resources()
+        plan = self.plan or make_plan(
+            self.cfg.cluster.placement, 0, rc.num_servers, ray.cluster_resources()
+        )
+        res = plan.slot("rollout", 0).resources if rc.num_servers else {}
         ports = [rc.base_port + i if rc.base_port else 0 for i in range(rc.num_servers)]
         if single_node():  # fail before any actor starts; on a cluster the actor's node checks
             for port in filter(None, ports):
                 check_port_free(port)
         for i, port in enumerate(ports):
             log = str(self.log_path(i).resolve())
-            actor = RolloutServerActor.options(**res).remote(
+            actor = RolloutServerActor.options(**plan.actor_options("rollout", i)).remote(
                 self.model_path, log, {**options, "port": port}
             )
             self.actors.append(actor)

@@ -18,7 +18,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from trident.cluster.net import free_port, node_ip
-from trident.cluster.ray_cluster import role_resources
+from trident.cluster.placement import Plan, make_plan
 from trident.config import TridentConfig
 from trident.sample import Sample
 from trident.train.policy import PolicyWorker
@@ -35,16 +35,26 @@ class TrainerRankError(RuntimeError):
 
 
 class TrainerGroup(AbstractContextManager):
-    def __init__(self, cfg: TridentConfig) -> None:
+    def __init__(self, cfg: TridentConfig, plan: Plan | None = None) -> None:
+        """``plan``: where the ranks run (``trident.cluster.placement``); by default each asks
+        for its share of a device of the cluster, outside any placement group."""
         self.cfg = cfg
+        self.plan = plan
         self.workers: list[Any] = []  # ray actor handles of PolicyWorker
         self.pids: dict[str, int] = {}  # rank -> process id (for stack dumps)
 
     def __enter__(self) -> TrainerGroup:
-        n, resources = self.cfg.trainer.num_ranks, role_resources()
-        actor_cls = ray.remote(PolicyWorker).options(**resources)
+        n = self.cfg.trainer.num_ranks
+        plan = self.plan or make_plan(self.cfg.cluster.placement, n, 0, ray.cluster_resources())
+        actor_cls = ray.remote(PolicyWorker)
+        resources = plan.slot("trainer", 0).resources
         addr, port = node_ip(), free_port()
-        self.workers = [actor_cls.remote(self.cfg, rank, n, addr, port) for rank in range(n)]
+        self.workers = [
+            actor_cls.options(**plan.actor_options("trainer", rank)).remote(
+                self.cfg, rank, n, addr, port
+            )
+            for rank in range(n)
+        ]
         try:
             ray.get([w.__ray_ready__.remote() for w in self.workers], timeout=START_TIMEOUT_S)
         except GetTimeoutError:

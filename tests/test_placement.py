@@ -1,0 +1,86 @@
+"""Placement plans (``trident.cluster.placement``), role by role, reserved on a local Ray instance
+that declares GPUs it does not have: Ray hands out device ids by the declared resources, so which
+device each actor would get is real even on a CPU machine. A plan that does not fit fails in
+seconds with the message; ``trident train --dry-run`` prints the plan."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from tests.conftest import run_cli
+from trident.cluster.placement import PlacementError, make_plan, reserve
+
+
+@pytest.fixture(scope="module")
+def fake_gpus():
+    assert not ray.is_initialized()
+    ray.init(num_cpus=16, num_gpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray.cluster_resources()
+    ray.shutdown()
+
+
+@ray.remote
+def _devices() -> list[str]:
+    return [str(d) for d in ray.get_runtime_context().get_accelerator_ids()["GPU"]]
+
+
+def _where(plan, role: str, n: int) -> list[list[str]]:
+    """The GPU ids a task placed like actor ``role`` 0..n-1 of the plan is given."""
+    return ray.get(
+        [_devices.options(**plan.actor_options(role, i)).remote() for i in range(n)], timeout=120
+    )
+
+
+def test_one_gpu_colocates_the_trainer_and_the_server(fake_gpus):
+    with reserve(make_plan("auto", 1, 1, {"GPU": 1, "CPU": 16})) as plan:
+        assert plan.mode == "colocated" and len(plan.bundles) == 1
+        assert plan.slot("trainer", 0).resources["num_gpus"] == 0.5
+        (trainer,), (server,) = _where(plan, "trainer", 1), _where(plan, "rollout", 1)
+        assert len(trainer) == 1 and trainer == server  # the same device, shared
+
+
+def test_eight_gpus_four_and_four_disaggregated(fake_gpus):
+    with reserve(make_plan("auto", 4, 4, fake_gpus)) as plan:
+        assert plan.mode == "disaggregated" and len(plan.bundles) == 8
+        trainer = [d for ds in _where(plan, "trainer", 4) for d in ds]
+        servers = [d for ds in _where(plan, "rollout", 4) for d in ds]
+        assert len(set(trainer)) == len(trainer) == 4  # a whole device each
+        assert len(set(servers)) == len(servers) == 4
+        assert not set(trainer) & set(servers)  # two pools
+
+
+def test_eight_gpus_colocated(fake_gpus):
+    with reserve(make_plan("colocated", 8, 8, fake_gpus)) as plan:
+        assert len(plan.bundles) == 8
+        trainer, servers = _where(plan, "trainer", 8), _where(plan, "rollout", 8)
+        assert trainer == servers  # rank i and server i share device i
+        assert len({d for ds in trainer for d in ds}) == 8
+
+
+def test_a_plan_that_does_not_fit_fails_in_seconds_saying_what_is_missing(fake_gpus):
+    start = time.monotonic()
+    with pytest.raises(PlacementError) as err, reserve(make_plan("disaggregated", 8, 8, fake_gpus)):
+        pass
+    assert time.monotonic() - start < 30
+    message = str(err.value)
+    assert "8 rollout servers + 8 trainer ranks" in message
+    assert "16 GPU needed, 8 in the cluster" in message
+
+
+def test_on_cpus_every_actor_shares_the_cores():
+    plan = make_plan("auto", 2, 2, {"CPU": 4})
+    assert plan.mode == "cpu" and len(plan.bundles) == 4
+    assert all(s.resources == {"num_cpus": 0.5} for s in plan.slots)
+    with pytest.raises(ValueError, match="cluster.placement"):
+        make_plan("everywhere", 1, 1, {"GPU": 2})
+
+
+def test_dry_run_prints_the_placement_plan():
+    r = run_cli("train", "--dry-run", "trainer.num_ranks=2", "rollout.num_servers=2", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "placement: cpu, 4 CPU bundle(s)" in r.stderr
+    assert "bundle 1 0.5 CPU: trainer rank 1 (0.5 CPU)" in r.stderr
+    assert "bundle 3 0.5 CPU: rollout server 1 (0.5 CPU)" in r.stderr
