@@ -42,7 +42,8 @@ def _cmd(model: str, url: str, run_dir: Path, name: str, mode: str, *extra: str)
     eta = "1" if mode == "separate_async" else "0"
     return [
         sys.executable, "-m", "trident.cli", "train", f"model.path={model}", f"run.dir={run_dir}",
-        f"run.name={name}", f"rollout.demo_servers=[{url}]", f"pipeline.mode={mode}", f"pipeline.max_staleness={eta}",
+        f"run.name={name}", f"rollout.server_urls=[{url}]", f"pipeline.mode={mode}",
+        f"pipeline.max_staleness={eta}",
         f"pipeline.steps={2 * N}", "pipeline.prompts_per_step=4", "rollout.n=4",
         "rollout.max_tokens=16", f"checkpoint.every={N}", "checkpoint.keep_last=2",
         "run.deterministic=true", "eval.before_after=false", "telemetry.progress=false",
