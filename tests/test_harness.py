@@ -11,6 +11,7 @@ version 0 (verified), so the second run does not inherit the first one's weights
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
 
 import ray
@@ -34,8 +35,8 @@ class RecordingTrainer:
     def __init__(self, group: TrainerGroup) -> None:
         self.group, self.steps = group, []
 
-    async def connect(self, urls: list[str], backend: str) -> None:
-        await self.group.connect(urls, backend)
+    async def connect(self, urls: list[str], backend: str, nodes: Mapping[str, str]) -> None:
+        await self.group.connect(urls, backend, nodes)
 
     async def train_step(self, samples: list[Sample]) -> dict[str, float]:
         self.steps.append(sorted(s.id for s in samples))

@@ -25,14 +25,16 @@ from trident.rollout.vllm_server import VLLMServer
 from trident.weights import delta as delta_codec
 from trident.weights import sync as sync_module
 from trident.weights.sync import (
+    BucketServer,
     WeightSync,
     WeightSyncError,
     hf_named_tensors,
     iter_buckets,
     make_probe,
     probe_logprobs,
+    same_host,
 )
-from trident.weights.vllm_plugin import BASE_MISMATCH, map_file, safetensors_views
+from trident.weights.vllm_plugin import BASE_MISMATCH, fetch, map_file, safetensors_views
 
 TOLERANCE = 1e-4  # float32 on both sides
 BUCKET_BYTES = 1 << 20  # the tiny model (3.5 MB) travels in 4 buckets
@@ -81,6 +83,26 @@ def test_engine_maps_a_bucket_file_without_copying_it(tmp_path: Path) -> None:
         assert views[name].dtype == t.dtype and torch.equal(views[name], t), name
     with pytest.raises(ValueError, match="not a safetensors file"):
         safetensors_views(mmap.mmap(-1, 64))
+
+
+def test_a_server_on_another_host_fetches_the_same_bucket_bytes(tmp_path: Path) -> None:
+    import urllib.error
+
+    bucket = tmp_path / "trident-weights-x-v1-b0.safetensors"
+    bucket.write_bytes(bytes(range(256)) * 4096)
+    (tmp_path / "other.txt").write_text("not a bucket")
+    server = BucketServer(tmp_path, "trident-weights-x", "127.0.0.1")
+    try:
+        assert fetch(server.url_of(str(bucket))) == bucket.read_bytes()
+        for name in ("other.txt", "trident-weights-x-missing", "../etc/passwd"):
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                fetch(f"{server.base}/{name}")
+    finally:
+        server.close()
+    assert same_host("http://10.0.0.2:8000", "node-a", "node-a", "10.0.0.9")  # same Ray node
+    assert not same_host("http://127.0.0.1:8000", "node-b", "node-a", "127.0.0.1")
+    assert same_host("http://127.0.0.1:8000", None, "node-a", "10.0.0.9")  # attached: by address
+    assert not same_host("http://10.0.0.2:8000", None, "node-a", "10.0.0.9")
 
 
 def test_weights_checksum_sees_names_values_and_shapes() -> None:

@@ -45,6 +45,7 @@ class Slot:
     index: int  # trainer rank or server index
     bundle: int
     resources: dict[str, float]  # Ray actor options: num_gpus, num_cpus
+    custom: dict[str, float] = field(default_factory=dict)  # cluster.role_resources
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class Plan:
         bundle, in the reserved group when there is one."""
         slot = self.slot(role, index)
         options: dict[str, Any] = dict(slot.resources)
+        if slot.custom:
+            options["resources"] = dict(slot.custom)
         if self.group is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -76,7 +79,7 @@ class Plan:
         lines = [f"placement: {self.mode}, {len(self.bundles)} {devices}(s)"]
         for b, resources in enumerate(self.bundles):
             on = [
-                f"{_ROLE_NAMES[s.role]} {s.index} ({_share(s.resources)})"
+                f"{_ROLE_NAMES[s.role]} {s.index} ({_share(s.resources | s.custom)})"
                 for s in self.slots
                 if s.bundle == b
             ]
@@ -90,10 +93,33 @@ def _share(resources: Mapping[str, float]) -> str:
 
 
 def make_plan(
-    placement: str, num_ranks: int, num_servers: int, cluster: Mapping[str, float]
+    placement: str,
+    num_ranks: int,
+    num_servers: int,
+    cluster: Mapping[str, float],
+    custom: Mapping[Role, Mapping[str, float]] | None = None,
 ) -> Plan:
     """The plan for ``num_ranks`` trainer ranks and ``num_servers`` rollout servers on a
-    cluster with ``cluster`` resources (``ray.cluster_resources()``)."""
+    cluster with ``cluster`` resources (``ray.cluster_resources()``); ``custom``: the extra
+    Ray resources each actor of a role asks for (``cluster.role_resources``), which its
+    bundle then holds."""
+    plan = _devices_plan(placement, num_ranks, num_servers, cluster)
+    if not custom:
+        return plan
+    slots = [
+        Slot(s.role, s.index, s.bundle, s.resources, dict(custom.get(s.role, {})))
+        for s in plan.slots
+    ]
+    bundles = [dict(b) for b in plan.bundles]
+    for slot in slots:
+        for k, v in slot.custom.items():
+            bundles[slot.bundle][k] = bundles[slot.bundle].get(k, 0.0) + v
+    return Plan(plan.mode, bundles, slots)
+
+
+def _devices_plan(
+    placement: str, num_ranks: int, num_servers: int, cluster: Mapping[str, float]
+) -> Plan:
     actors: list[tuple[Role, int]] = []
     actors.extend(("trainer", r) for r in range(num_ranks))
     actors.extend(("rollout", i) for i in range(num_servers))
@@ -123,7 +149,8 @@ def plan_for(cfg: TridentConfig, cluster: Mapping[str, float]) -> Plan:
     """The run's plan: its trainer ranks, and its rollout servers unless it attaches to servers
     started elsewhere (``rollout.server_urls``)."""
     servers = 0 if cfg.rollout.server_urls else cfg.rollout.num_servers
-    return make_plan(cfg.cluster.placement, cfg.trainer.num_ranks, servers, cluster)
+    c = cfg.cluster
+    return make_plan(c.placement, cfg.trainer.num_ranks, servers, cluster, c.role_resources)
 
 
 def check_fits(plan: Plan, cluster: Mapping[str, float]) -> None:

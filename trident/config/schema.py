@@ -476,6 +476,12 @@ class ClusterConfig(Section):
         "`disaggregated` (a device per actor), `auto` (disaggregated when every actor gets a "
         "device, else colocated: a one-GPU box colocates). `trident train --dry-run` prints the plan.",
     )
+    role_resources: dict[Literal["trainer", "rollout"], dict[str, float]] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each actor of a role also asks for, to pin roles to "
+        "node types (`{rollout: {inference_node: 0.01}}` puts the servers on nodes started with "
+        "`ray start --resources='{\"inference_node\": 1}'`).",
+    )
 
 
 class TelemetryConfig(Section):

@@ -51,6 +51,8 @@ class ServerDiedError(RuntimeError):
 class Fleet(Protocol):
     """The rollout servers' owner (``trident.rollout.fleet.RolloutFleet``)."""
 
+    nodes: dict[str, str]  # each server's url -> the Ray node it runs on
+
     async def restart(self, i: int) -> VLLMClient:
         """Called for each recovery: restart server ``i`` on its url, return a client for it."""
         ...

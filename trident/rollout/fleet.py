@@ -88,6 +88,10 @@ class RolloutServerActor:
     def stop(self) -> None:
         self.server.stop()
 
+    def node(self) -> str:
+        """The Ray node this server runs on."""
+        return ray.get_runtime_context().get_node_id()
+
     def pid(self) -> int:
         """The vLLM API server's process id (for stack dumps)."""
         return self.server.proc.pid if self.server.proc is not None else -1
@@ -111,13 +115,15 @@ class RolloutFleet(AbstractContextManager):
         self.log_dir = Path(run_dir) / "logs"
         self.weight_transfer = weight_transfer
         self.actors: list[Any] = []
+        self.nodes: dict[str, str] = {}  # url -> Ray node id (a restart keeps both)
         self._router: Router | None = None
 
     def __enter__(self) -> RolloutFleet:
         rc = self.cfg.rollout
         options = server_options(self.cfg, self.weight_transfer)
+        c = self.cfg.cluster
         plan = self.plan or make_plan(
-            self.cfg.cluster.placement, 0, rc.num_servers, ray.cluster_resources()
+            c.placement, 0, rc.num_servers, ray.cluster_resources(), c.role_resources
         )
         res = plan.slot("rollout", 0).resources if rc.num_servers else {}
         ports = [rc.base_port + i if rc.base_port else 0 for i in range(rc.num_servers)]
@@ -143,6 +149,8 @@ class RolloutFleet(AbstractContextManager):
                 f"{rc.num_servers} rollout server(s) asking for {res} each were not up within "
                 f"{rc.startup_timeout_s + 60:.0f} s; cluster resources: {ray.cluster_resources()}"
             ) from None
+        nodes = ray.get([a.node.remote() for a in self.actors], timeout=30)
+        self.nodes = dict(zip(urls, nodes, strict=True))
         self._router = Router([VLLMClient(u, timeout_s=rc.request_timeout_s) for u in urls])
         return self
 

@@ -51,17 +51,32 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     )
 
 
-def shard(model: ModuleT) -> ModuleT:
+def master_dtype(dtype: str) -> str:
+    """The dtype the weights are kept (and optimized) in for training in ``dtype``: float32
+    master weights on GPUs when ``dtype`` is half precision (``shard`` then computes in
+    ``dtype``); as given on CPU, where trident trains in the checkpoint's dtype."""
+    return "float32" if torch.cuda.is_available() and dtype != "float32" else dtype
+
+
+def shard(model: ModuleT, compute_dtype: str = "float32") -> ModuleT:
     """fully_shard each decoder layer, then the root (the usual FSDP2 wrapping of an HF LM).
+    On GPUs with a half-precision ``compute_dtype`` the (float32, ``master_dtype``) parameters
+    are cast to it for forward and backward and gradients are reduced in float32 (FSDP2's
+    ``MixedPrecisionPolicy``); logprobs are taken in float32 either way (``token_logprobs``).
 
     On one rank only the root is wrapped: per-layer units buy nothing there (no memory to save,
     nothing to overlap) and their hooks cost ~25% of a tiny model's step on CPU (measured)."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    kwargs = {}
+    if torch.cuda.is_available() and compute_dtype != "float32":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32
+        )
     if dist.get_world_size() > 1:
         for layer in getattr(getattr(model, "model", model), "layers", []):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 

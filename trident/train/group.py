@@ -10,6 +10,7 @@ no room for them) fail with a message instead of waiting forever.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,21 @@ class TrainerRankError(RuntimeError):
     """A trainer rank died mid-run (its process was killed, its node lost, out of memory)."""
 
 
+@ray.remote
+def _address() -> tuple[str, int]:
+    return node_ip(), free_port()
+
+
+def _rendezvous(plan: Plan) -> tuple[str, int]:
+    """Where the ranks rendezvous: rank 0 hosts the store, so its node's address and a port
+    free there, asked of a task placed on rank 0's bundle (the driver's own address when there
+    is no placement group: then everything runs where the driver does)."""
+    if plan.group is None:
+        return node_ip(), free_port()
+    task = _address.options(**plan.actor_options("trainer", 0))
+    return ray.get(task.remote(), timeout=START_TIMEOUT_S)
+
+
 class TrainerGroup(AbstractContextManager):
     def __init__(self, cfg: TridentConfig, plan: Plan | None = None) -> None:
         """``plan``: where the ranks run (``trident.cluster.placement``); by default each asks
@@ -45,10 +61,11 @@ class TrainerGroup(AbstractContextManager):
 
     def __enter__(self) -> TrainerGroup:
         n = self.cfg.trainer.num_ranks
-        plan = self.plan or make_plan(self.cfg.cluster.placement, n, 0, ray.cluster_resources())
+        c = self.cfg.cluster
+        plan = self.plan or make_plan(c.placement, n, 0, ray.cluster_resources(), c.role_resources)
         actor_cls = ray.remote(PolicyWorker)
         resources = plan.slot("trainer", 0).resources
-        addr, port = node_ip(), free_port()
+        addr, port = _rendezvous(plan)
         self.workers = [
             actor_cls.options(**plan.actor_options("trainer", rank)).remote(
                 self.cfg, rank, n, addr, port
@@ -91,9 +108,11 @@ class TrainerGroup(AbstractContextManager):
             ) from None
         return results[0]
 
-    async def connect(self, urls: list[str], backend: str) -> None:
+    async def connect(
+        self, urls: list[str], backend: str, nodes: Mapping[str, str] | None = None
+    ) -> None:
         """``PolicyWorker.connect``: once, after the rollout servers are up."""
-        await self._all("connect", urls, backend)
+        await self._all("connect", urls, backend, dict(nodes or {}))
 
     async def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """``PolicyWorker.train_step``: one optimizer round over the step's samples; each

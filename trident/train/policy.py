@@ -76,6 +76,7 @@ import json
 import math
 import os
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -128,7 +129,9 @@ class PolicyWorker:
         a, tc = cfg.algo, cfg.trainer
         self.device = fsdp.device()
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.model = fsdp.shard(load_causal_lm(cfg.model.path, cfg.model.dtype, self.device))
+        dtype = cfg.model.dtype
+        model = load_causal_lm(cfg.model.path, fsdp.master_dtype(dtype), self.device)
+        self.model = fsdp.shard(model, dtype)
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self.ref = self._frozen(cfg.model.ref_path or cfg.model.path) if a.kl_coef > 0 else None
         self.kl_ctl = (
@@ -139,8 +142,8 @@ class PolicyWorker:
         self.opt, self.sched = self._optimizer(self.model, tc.lr)
         self.critic = None
         if a.use_critic:
-            critic = ValueModel(cfg.model.critic_path or cfg.model.path, cfg.model.dtype)
-            self.critic = fsdp.shard(critic.to(self.device))
+            critic = ValueModel(cfg.model.critic_path or cfg.model.path, fsdp.master_dtype(dtype))
+            self.critic = fsdp.shard(critic.to(self.device), dtype)
             self.critic_opt, self.critic_sched = self._optimizer(self.critic, tc.critic_lr)
         # teachers by path (two tasks may share one); routing: teacher_paths key -> path
         self.teachers: dict[str, torch.nn.Module] = {}
@@ -153,6 +156,8 @@ class PolicyWorker:
         )
         self._prompt_ids: dict[str, int] = {}  # prompt key -> stable int id (running_baseline)
         self.sync: WeightSync | None = None
+        self.server_urls: list[str] = []  # every server, as connect() was told (all ranks)
+        self.backend: Backend = "shm"
         self.probe: list[int] = []
         self.served_probe: list[float] | None = None  # the probe's logprobs, last pushed version
 
@@ -528,13 +533,24 @@ class PolicyWorker:
 
     # -- weight sync ---------------------------------------------------------------------------
 
-    def connect(self, urls: list[str], backend: Backend) -> None:
-        """Called once, after the rollout servers are up."""
-        from trident.weights.sync import WeightSync, make_probe
+    def connect(
+        self, urls: list[str], backend: Backend, nodes: Mapping[str, str] | None = None
+    ) -> None:
+        """Called once, after the rollout servers are up. ``nodes``: the Ray node of each
+        server trident started; a server on another host than rank 0 fetches the shm backend's
+        buckets over HTTP (``WeightSync(remote=...)``)."""
+        import ray
+
+        from trident.cluster.net import node_ip
+        from trident.weights.sync import WeightSync, make_probe, same_host
 
         sc = self.cfg.sync
         self.probe = make_probe(self.tokenizer, sc.probe_tokens, seed=self.cfg.run.seed)
+        self.server_urls, self.backend = list(urls), backend
         if self.rank == 0:
+            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+            ip = node_ip()
+            remote = [u for u in urls if not same_host(u, (nodes or {}).get(u), node, ip)]
             self.sync = WeightSync(
                 urls,
                 backend=backend,
@@ -544,6 +560,9 @@ class PolicyWorker:
                 on_base_mismatch=sc.on_base_mismatch,
                 # what a restarted server is brought back to (rollout.max_restarts)
                 keep_served=self.cfg.rollout.max_restarts > 0 and backend == "shm",
+                remote=remote if backend == "shm" else (),
+                serve_host=ip,
+                nccl_master_address=ip,  # the engines join rank 0's group from their hosts
             )
             self.sync.init()
 
@@ -562,7 +581,11 @@ class PolicyWorker:
         shards = hf_named_tensors(self.model, self.tied)
         metrics: dict[str, float] = {}
         if self.rank != 0:
+            # the GPU backends send to one server at a time, gathering the stream for each
+            targets = len(urls if urls is not None else self.server_urls)
             drain(shards)
+            for _ in range(targets - 1 if self.backend != "shm" else 0):
+                drain(hf_named_tensors(self.model, self.tied))
         else:
             assert self.sync is not None  # connect() made it on rank 0
             metrics = self.sync.push(shards, version, urls)

@@ -100,11 +100,14 @@ def response_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def _sft_rank(
     rank: int, world_size: int, port: int, cfg: TridentConfig, examples: list[Example], out_dir: str
 ) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)  # one process per device on this host (fsdp.device)
     fsdp.init_distributed(rank, world_size, "127.0.0.1", port)
     fsdp.set_cpu_threads(cfg.trainer.cpu_threads)
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
-    model = fsdp.shard(load_causal_lm(cfg.model.path, cfg.model.dtype, fsdp.device()))
+    dtype = cfg.model.dtype
+    model = load_causal_lm(cfg.model.path, fsdp.master_dtype(dtype), fsdp.device())
+    model = fsdp.shard(model, dtype)
     model.train()
     sc = cfg.sft
     opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=sc.weight_decay)

@@ -1,7 +1,9 @@
 """Which weight-transfer backend a run uses, on the trainer side and on the servers.
 
-``sync.backend=auto`` is ``nccl`` where the trainer has CUDA and ``shm`` (checksummed
-safetensors buckets in /dev/shm, read by trident's vLLM plugin) elsewhere.
+``sync.backend=auto`` is ``nccl`` where the trainer ranks get GPUs (the Ray cluster has GPUs,
+so the placement plan gives every rank one; the driver itself may run on a CPU node) and ``shm``
+(checksummed safetensors buckets in /dev/shm, read by trident's vLLM plugin, fetched over HTTP
+by a server on another host) elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ def weight_backend(sync_cfg: SyncConfig) -> str:
     """The trainer-side backend ``sync.backend`` resolves to on this machine."""
     if sync_cfg.backend != "auto":
         return sync_cfg.backend
+    import ray
+
+    if ray.is_initialized():
+        return "nccl" if ray.cluster_resources().get("GPU", 0) > 0 else "shm"
     import torch
 
     return "nccl" if torch.cuda.is_available() else "shm"

@@ -18,6 +18,10 @@ One sync is ``WeightSync.push(named_tensors, version)`` followed by ``WeightSync
    reconstructed weights hash differently, and applies the update only when the last bucket
    arrives, so a refused update leaves a server on its previous weights and version. The trainer
    deletes each file once every server has read it.
+   A server on another host than the sender (``remote``: another Ray node, or an attached
+   server's address that is not this host's) gets the bucket's URL instead of its path: the
+   sender serves its bucket files over HTTP (``BucketServer``) and the server fetches the same
+   checksummed bytes during the call, so the checks and the whole-or-nothing apply are the same.
 3. ``/finish_weight_update {"weight_version": "N"}`` bumps the served version.
 4. ``/resume``.
 5. ``verify``: on every server, ``GET /weight_info`` must report N and the engine's logprobs of a
@@ -52,8 +56,8 @@ first one always, and one after any failure (the sender no longer knows what a s
 The probe verification is the same for deltas and full syncs.
 
 Simplifications: rank 0 writes and sends everything (other ranks only take part in the gathers);
-the delta base is a full copy on rank 0 rather than each rank's shard; the GPU backends gather the
-whole model before sending. The public methods are synchronous (each runs its own event loop);
+the delta base is a full copy on rank 0 rather than each rank's shard; the GPU backends gather
+each tensor once per server (vLLM's engines send to one server at a time). The public methods are synchronous (each runs its own event loop);
 async callers use ``asyncio.to_thread``.
 """
 
@@ -67,6 +71,7 @@ import mmap
 import os
 import pickle
 import random
+import shutil
 import threading
 import time
 import uuid
@@ -74,6 +79,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 import httpx
 import torch
@@ -309,11 +315,15 @@ class WeightSync:
         full_every: int = 10,
         on_base_mismatch: Literal["fail", "full"] = "fail",
         keep_served: bool = False,
+        remote: Iterable[str] = (),
+        serve_host: str = "127.0.0.1",
     ) -> None:
         """``timeout_s`` bounds every HTTP call; ``nccl_master_address`` and
         ``engine_world_size`` (a server's TP x PP x DP ranks) are used by ``backend="nccl"``;
         ``delta``, ``full_every`` and ``on_base_mismatch``: see the module docstring (shm);
-        ``keep_served``: keep a copy of the last pushed weights for ``rejoin`` (shm)."""
+        ``keep_served``: keep a copy of the last pushed weights for ``rejoin`` (shm);
+        ``remote``: the servers on other hosts, which fetch each bucket over HTTP from this
+        process at ``serve_host`` (shm)."""
         if not urls:
             raise ValueError("WeightSync needs at least one server url")
         if backend not in ("shm", "nccl", "ipc"):
@@ -343,6 +353,9 @@ class WeightSync:
         self._base: dict[str, torch.Tensor] | None = None
         self._base_key: tuple[int, str] | None = None
         self._deltas_since_full = 0
+        self.remote = {u.rstrip("/") for u in remote}
+        self.serve_host = serve_host
+        self._buckets_server: BucketServer | None = None
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -350,6 +363,10 @@ class WeightSync:
         """Called once, after the servers are up: ``/init_weight_transfer_engine`` on each."""
         if self.backend == "shm":
             self.shm_dir.mkdir(parents=True, exist_ok=True)
+            if self.remote and self._buckets_server is None:
+                self._buckets_server = BucketServer(
+                    self.shm_dir, self._file_prefix, self.serve_host
+                )
             asyncio.run(self._init_shm())
         else:
             self._init_gpu()
@@ -507,10 +524,11 @@ class WeightSync:
                             f"update_weights (bucket {item.info['index']}, "
                             f"{item.file.nbytes} bytes)",
                             lambda url, info=item.info: _post(
-                                http, url, "/update_weights", {"update_info": info}
+                                http, url, "/update_weights", {"update_info": self._for(url, info)}
                             ),
                         )
                     m["bytes"] += item.file.nbytes
+                    m["http_servers"] = float(len(self.remote.intersection(self.targets)))
                     m["weights_bytes"] += item.weights_bytes
                     m["num_buckets"] += 1
                     m["num_tensors"] += item.num_tensors
@@ -527,6 +545,14 @@ class WeightSync:
                 raise _DeltaRefused(error, item.new_state)
             raise error
         return item
+
+    def _for(self, url: str, info: dict[str, Any]) -> dict[str, Any]:
+        """The bucket's ``update_info`` for server ``url``: the file's path for a server on
+        this host, the URL it fetches the same bytes from for one on another host."""
+        if url not in self.remote:
+            return info
+        assert self._buckets_server is not None  # init() started it
+        return {**info, "path": "", "url": self._buckets_server.url_of(info["path"])}
 
     def _produce(
         self,
@@ -713,15 +739,16 @@ class WeightSync:
             raise WeightSyncError(f"backend {self.backend!r}: call init() before push()")
         m: dict[str, float] = dict.fromkeys(("pause_s", "update_s", "resume_s"), 0.0)
         t_start = time.perf_counter()
-        pairs = [(name, full_tensor(t)) for name, t in named_tensors]
+        pairs = list(named_tensors)  # shards: nothing gathered yet (global shapes known)
         m["bytes"] = float(sum(t.numel() * t.element_size() for _, t in pairs))
         m["num_tensors"] = float(len(pairs))
-        source = _tensor_source(pairs)
+        source = _tensor_source(pairs)  # gathers each tensor as vLLM's engine sends it
         with _timed(m, "pause_s"):
             asyncio.run(self._fan_engine("pause"))
         try:
             with _timed(m, "update_s"):
-                for url, (client, engine) in self._gpu.items():
+                for url in self.targets:  # the servers that are up: every rank gathers for each
+                    client, engine = self._gpu[url]
                     client.weight_version = str(version)
                     engine.source = source
                     try:
@@ -747,10 +774,13 @@ class WeightSync:
                 await engine.aclose()
 
     def close(self) -> None:
-        """Release GPU transfer groups (the shm backend holds nothing between syncs)."""
+        """Release GPU transfer groups and stop serving buckets to other hosts."""
         for _, engine in self._gpu.values():
             engine.shutdown()
         self._gpu.clear()
+        if self._buckets_server is not None:
+            self._buckets_server.close()
+            self._buckets_server = None
 
     # -- fan-out -------------------------------------------------------------------------------
 
@@ -766,6 +796,54 @@ class WeightSync:
         if errors:
             raise WeightSyncError("\n".join(errors))
         return dict(zip(self.targets, results, strict=True))
+
+
+class BucketServer:
+    """Serves this sender's bucket files (``GET /<file name>``, names with ``prefix`` only) to
+    servers on other hosts, from a thread: the cross-host transport of the shm backend. A server
+    fetches the same checksummed bytes a local one reads from the file, during its
+    ``/update_weights`` call, so a file is deleted only after every server has it. The names
+    carry a random part; the address is the trainer node's, for the cluster's own network."""
+
+    def __init__(self, directory: Path, prefix: str, host: str) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                name = self.path.lstrip("/")
+                path = directory / name
+                if "/" in name or not name.startswith(prefix) or not path.is_file():
+                    self.send_error(404)
+                    return
+                with path.open("rb") as f:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(os.fstat(f.fileno()).st_size))
+                    self.end_headers()
+                    shutil.copyfileobj(f, self.wfile, 1 << 20)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass
+
+        self._httpd = ThreadingHTTPServer((host, 0), Handler)
+        self.base = f"http://{host}:{self._httpd.server_address[1]}"
+        threading.Thread(
+            target=self._httpd.serve_forever, name="trident-buckets", daemon=True
+        ).start()
+
+    def url_of(self, path: str) -> str:
+        return f"{self.base}/{Path(path).name}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def same_host(url: str, server_node: str | None, node: str, ip: str) -> bool:
+    """Whether the server at ``url`` shares this process's host: the same Ray node when the
+    server's node is known (``server_node``), else a loopback address or this node's ``ip``."""
+    if server_node is not None:
+        return server_node == node
+    return urlparse(url).hostname in ("127.0.0.1", "localhost", "::1", ip)
 
 
 def _compare_probe(
@@ -872,14 +950,19 @@ def _pickle_ipc_handles(info: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tensor_source(pairs: list[tuple[str, torch.Tensor]]) -> Any:
-    """A vLLM ``WeightSource`` over a list of full tensors (re-iterable, metadata without I/O)."""
+    """A vLLM ``WeightSource`` over ``(name, shard or tensor)`` pairs: ``metadata()`` reads the
+    global shapes (no gather), and each iteration gathers one tensor at a time as vLLM's engine
+    sends it (``full_tensor``, a collective), so rank 0 never holds the whole model. vLLM
+    iterates the source once per server's ``send_weights``; the other ranks drain the same
+    stream as many times (``PolicyWorker.sync_weights``)."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    class TensorListSource(WeightSource):
+    class ShardSource(WeightSource):
         def metadata(self) -> list[ParamMeta]:
             return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in pairs]
 
         def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            return iter(pairs)
+            for name, tensor in pairs:
+                yield name, full_tensor(tensor)
 
-    return TensorListSource()
+    return ShardSource()

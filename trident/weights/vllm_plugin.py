@@ -11,7 +11,8 @@ Protocol (HTTP routes of a server run with ``VLLM_SERVER_DEV_MODE=1``; the train
 2. Per update: ``POST /start_weight_update``, then for bucket ``i = 0, 1, ...``
    ``POST /update_weights {"update_info": {"path", "checksum", "index", "final", "version",
    "kind", "base_version", "base_checksum", "weights_checksum"}}``: ``path`` is a safetensors
-   file the trainer wrote (in /dev/shm on one host), ``checksum`` is ``"xxh3_128:<hex>"`` of the
+   file the trainer wrote (in /dev/shm on one host; a server on another host gets ``url``
+   instead, where the trainer serves the same file), ``checksum`` is ``"xxh3_128:<hex>"`` of the
    file's bytes, ``final`` marks the last bucket, which also carries ``weights_checksum``
    (``trident.weights.delta.WeightsChecksum`` of all the update's tensors). ``kind`` is ``full``
    (the file holds HF-named tensors) or ``delta`` (it holds, per tensor, the compressed XOR
@@ -70,7 +71,7 @@ BASE_MISMATCH = "delta base mismatch"  # in the refusal of a delta for another b
 logger = logging.getLogger("vllm.trident_shm")
 
 
-def checksum(data: bytes | memoryview | mmap.mmap) -> str:
+def checksum(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
     """``"xxh3_128:<hex>"`` of ``data`` (any buffer): the checksum of a bucket file's bytes."""
     import xxhash
 
@@ -90,7 +91,23 @@ def map_file(path: str | Path) -> mmap.mmap:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
 
-def safetensors_views(mapped: mmap.mmap) -> tuple[dict[str, str], dict[str, Any]]:
+def fetch(url: str, timeout_s: float = 120.0) -> bytearray:
+    """The bytes at ``url`` (a bucket the trainer serves to servers on other hosts), read once
+    into one buffer."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        data = bytearray(int(response.headers["Content-Length"]))
+        view, got = memoryview(data), 0
+        while got < len(data):
+            n = response.readinto(view[got:])
+            if not n:
+                raise ValueError(f"{url}: {got} of {len(data)} bytes, then the stream ended")
+            got += n
+    return data
+
+
+def safetensors_views(mapped: mmap.mmap | bytearray) -> tuple[dict[str, str], dict[str, Any]]:
     """The metadata of a mapped safetensors file, and its tensors as views of the mapping:
     nothing is copied (reading the file and deserializing it, ``read_bytes`` +
     ``safetensors.torch.load``, copies it twice, at ~1.7 GB/s each on a 2-core machine). The
@@ -182,6 +199,7 @@ def _build_engine_class() -> type:
     @dataclass
     class ShmUpdateInfo(WeightTransferUpdateInfo):
         path: str = ""
+        url: str = ""  # instead of ``path``: fetch the bucket from the trainer's host
         checksum: str = ""
         index: int = 0
         final: bool = False
@@ -193,8 +211,10 @@ def _build_engine_class() -> type:
         weights_checksum: str = ""
 
         def __post_init__(self) -> None:
-            if not self.abort and not (self.path and self.checksum):
-                raise ValueError("update_info needs 'path' and 'checksum' (or 'abort': true)")
+            if not self.abort and not ((self.path or self.url) and self.checksum):
+                raise ValueError(
+                    "update_info needs 'path' or 'url', and 'checksum' (or 'abort': true)"
+                )
             if self.kind not in ("full", "delta"):
                 raise ValueError(f"update_info kind must be 'full' or 'delta', got {self.kind!r}")
 
@@ -213,6 +233,7 @@ def _build_engine_class() -> type:
             self._applied = False
             self._shapes: dict[str, tuple[int, ...]] | None = None
             self._read_s = 0.0  # read + checksum + deserialize, over this update's buckets
+            self._via = "shm"  # how the buckets came: a shared file, or fetched over HTTP
             self._weights = delta_codec.WeightsChecksum()  # of the tensors staged so far
             self._keep_base = False
             # the last applied weights, trainer layout, CPU, with their version and checksum
@@ -265,11 +286,13 @@ def _build_engine_class() -> type:
                     "a bucket was lost or repeated; update refused, weights unchanged"
                 )
             t0 = time.perf_counter()
-            mapped = map_file(update_info.path)
+            source = update_info.path or update_info.url
+            self._via = "shm" if update_info.path else "http"
+            mapped = map_file(source) if update_info.path else fetch(source)
             got = checksum(mapped)
             if got != update_info.checksum:
                 raise ValueError(
-                    f"checksum mismatch for bucket {update_info.index} ({update_info.path}): "
+                    f"checksum mismatch for bucket {update_info.index} ({source}): "
                     f"trainer sent {update_info.checksum}, engine read {got}; "
                     "update refused, weights unchanged"
                 )
@@ -377,10 +400,11 @@ def _build_engine_class() -> type:
                 finalize_layerwise_reload(self.model, self.model_config)
             self._applied = True
             logger.info(
-                "trident_shm: applied %d tensors from %d buckets (%.1f MB): "
+                "trident_shm: applied %d tensors from %d buckets via %s (%.1f MB): "
                 "read+check %.3f s, load %.3f s",
                 len(staged),
                 self._buckets,
+                self._via,
                 sum(t.numel() * t.element_size() for _, t in staged) / 1e6,
                 self._read_s,
                 time.perf_counter() - t0,
