@@ -216,3 +216,5 @@ def rollout_server(model: str, run_dir: Path, tag: str) -> Iterator[tuple[str, R
         server.proc.send_signal(signal.SIGTERM)
     finally:
         server.finish(timeout=120)
+    assert server.proc.returncode == 143, server.output[-3000:]  # a clean stop on SIGTERM
+    assert wait_gone(tag) == set()  # the vLLM processes went with it
