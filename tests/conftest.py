@@ -85,7 +85,7 @@ def demo_server(demo_sft_model, tmp_path_factory) -> Iterator[str]:
     installs its own weights on the servers before its first request (``RunHarness.begin``), so
     what one run leaves on the server does not reach the next."""
     tag = uuid.uuid4().hex
-    with rollout_server(demo_sft_model, tmp_path_factory.mktemp("demo_server"), tag) as (url, _):
+    with rollout_server(demo_sft_model, tmp_path_factory.mktemp("demo_server"), tag) as url:
         yield url
 
 
@@ -197,9 +197,9 @@ class Run:
 
 
 @contextmanager
-def rollout_server(model: str, run_dir: Path, tag: str) -> Iterator[tuple[str, Run]]:
+def rollout_server(model: str, run_dir: Path, tag: str) -> Iterator[str]:
     """``trident rollout serve`` of ``model`` in its own (tagged) process, as a user starts one
-    for attach mode; yields its URL and the process, and stops it with SIGTERM on exit. Tests
+    for attach mode; yields its URL, and stops it with SIGTERM on exit. Tests
     whose runs need nothing of a server of their own share one this way, which saves each run
     the server's start-up (about 40 s on 2 cores)."""
     serve = [
@@ -211,7 +211,7 @@ def rollout_server(model: str, run_dir: Path, tag: str) -> Iterator[tuple[str, R
         server.wait_for(lambda: "serving at " in server.output)
         match = re.search(r"rollout\.server_urls=\[(\S+)\]", server.output)
         assert match, server.output[-3000:]
-        yield match.group(1), server
+        yield match.group(1)
         assert server.proc.poll() is None, server.output[-3000:]  # it outlived every run
         server.proc.send_signal(signal.SIGTERM)
     finally:

@@ -55,7 +55,7 @@ def _planes(ints: torch.Tensor) -> bytes:
 
 
 def _from_planes(raw: memoryview, dtype: torch.dtype) -> torch.Tensor:
-    width = torch.empty((), dtype=dtype).element_size()
+    width = dtype.itemsize
     if not len(raw):  # torch.frombuffer refuses an empty buffer
         return torch.empty(0, dtype=dtype)
     planes = torch.frombuffer(raw, dtype=torch.uint8).reshape(width, -1)

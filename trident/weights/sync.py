@@ -822,7 +822,7 @@ class BucketServer:
                     shutil.copyfileobj(f, self.wfile, 1 << 20)
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                pass
+                """Quiet: http.server writes a line per request to stderr by default."""
 
         self._httpd = ThreadingHTTPServer((host, 0), Handler)
         self.base = f"http://{host}:{self._httpd.server_address[1]}"

@@ -126,7 +126,7 @@ def safetensors_views(mapped: mmap.mmap | bytearray) -> tuple[dict[str, str], di
             start, end = info["data_offsets"]
             shape = info["shape"]
             count = math.prod(shape)
-            if count * torch.empty((), dtype=dtype).element_size() != end - start:
+            if count * dtype.itemsize != end - start:
                 raise ValueError(f"tensor {name!r}: {end - start} bytes for shape {shape}")
             tensors[name] = (
                 torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + size + start)
