@@ -64,13 +64,19 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-class Task(Protocol):
+class RowMaker(Protocol):
+    """What ``generate_split`` needs: a name and rows (an environment's generator is one)."""
+
     name: str
-    reward: str  # "" = scored by ``verify``; else the registered reward function that scores it
 
     def make_row(self, rng: random.Random, index: int) -> dict[str, Any]:
         """One row: at least ``prompt`` (str) and ``answer``; called while generating a split."""
         ...
+
+
+class Task(RowMaker, Protocol):
+    name: str
+    reward: str  # "" = scored by ``verify``; else the registered reward function that scores it
 
     def solution(self, row: dict[str, Any]) -> str:
         """A correct response for ``row``: the SFT target."""
@@ -242,7 +248,7 @@ def split_of(prompt: str) -> str:
     return "test" if zlib.crc32(prompt.encode()) % 8 == 0 else "train"
 
 
-def generate_split(task: Task, split: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
+def generate_split(task: RowMaker, split: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` distinct rows of one split, deterministic in (task, split, seed)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', not {split!r}")

@@ -169,6 +169,13 @@ register_env(
     description="Code interpreter: compute the answer by running Python in a sandbox session.",
 )
 register_env(
+    "terminal",
+    "trident.envs.terminal:TerminalEnv",
+    data="trident.envs.terminal:make_rows",
+    description="Terminal: reach a file-system state with bash in a sandbox session; a check script scores it.",
+    corpus=False,  # the tiny tokenizer's corpus (and so every tiny checkpoint) stays as it was
+)
+register_env(
     "verifiers",
     "trident.envs.adapters.verifiers_env:VerifiersEnv",
     data="trident.envs.adapters.verifiers_env:make_rows",
