@@ -308,3 +308,51 @@ def test_hung_service_is_an_infra_error():
         session_result = client.open_session().exec("1", timeout_s=0.5)
         assert session_result.status == "error"
         client.close()
+
+
+def test_a_fleet_spreads_load_and_survives_a_dead_host():
+    """``make_sandbox("http://a,http://b")``: calls and sessions spread over both services;
+    once one is killed, calls (a run of the code reward's kind) and sessions (a terminal
+    trajectory) go to the other, and none fails."""
+    from trident.sandbox import make_sandbox
+    from trident.sandbox.fleet import SandboxFleet
+
+    with start_service() as (a, proc_a), start_service() as (b, _):
+        fleet = make_sandbox(f"{a.base_url}, trident+{b.base_url}", recheck_s=60)
+        assert isinstance(fleet, SandboxFleet)
+        try:
+
+            async def runs(n: int) -> list[SandboxResult]:
+                return list(
+                    await asyncio.gather(*(fleet.run_async(["echo", str(i)]) for i in range(n)))
+                )
+
+            assert [r.stdout for r in asyncio.run(runs(8))] == [f"{i}\n" for i in range(8)]
+            assert min(fleet.calls) >= 2, fleet.calls  # both hosts answered
+            sessions = [fleet.open_session() for _ in range(2)]
+            assert {s.host for s in sessions} == {a.base_url, b.base_url}
+            for s in sessions:
+                s.close()
+            proc_a.kill()
+            proc_a.wait()
+            before = list(fleet.calls)
+            assert all(r.passed for r in asyncio.run(runs(6)))
+            assert fleet.calls[1] - before[1] == 6 and fleet.calls[0] == before[0]
+            assert fleet.down_until[0] > time.monotonic()  # a is out until its recheck
+            row = {"prompt": "p", "setup": "mkdir -p proj", "check": '[ "$(cat proj/x)" = 7 ]'}
+
+            async def trajectory() -> float | None:
+                from trident.envs.terminal import TerminalEnv
+                from trident.tools.parsers import AssistantTurn, ToolCall
+
+                env = TerminalEnv(sandbox=fleet)
+                await env.reset(row)
+                call = ToolCall("c", "bash", {"code": "echo 7 > proj/x"})
+                await env.tools.run([call])
+                result = await env.step(AssistantTurn("", "", []), [])
+                await env.close()
+                return result.reward
+
+            assert [asyncio.run(trajectory()) for _ in range(3)] == [1.0, 1.0, 1.0]
+        finally:
+            fleet.close()

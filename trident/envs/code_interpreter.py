@@ -7,7 +7,9 @@ the model runs code, reads the output, and answers ``Answer: <value>``. Reward: 
 right answer in the turn that ends the episode, else 0.0.
 
 Sandbox ownership: pass ``sandbox=`` (a ``SandboxPool`` or ``RemoteSandbox`` shared by all
-trajectories); without one the env starts a private pool for its episode and closes it after.
+trajectories, or a ``make_sandbox`` spec such as ``"local"`` or ``"http://a:8000,http://b:8000"``
+for one process-wide backend: ``env.kwargs.sandbox``); without one the env starts a private pool
+for its episode and closes it after.
 ``make_rows`` writes rows with a ``messages`` demonstration for ``trident sft``; the tool
 outputs in it are formatted by the same function the live tool uses.
 """
@@ -22,7 +24,7 @@ from typing import Any
 from trident.data.tasks import extract_answer, generate_split
 from trident.envs import Message, StepResult
 from trident.models.load import prompt_messages
-from trident.sandbox import SandboxResult
+from trident.sandbox import SandboxResult, shared_sandbox
 from trident.tools.parsers import AssistantTurn
 from trident.tools.toolset import ToolResult, ToolSet, format_exec_result, sandbox_tools
 
@@ -37,6 +39,8 @@ class CodeEnv:
         timeout_s: float = 10.0,
         memory_mb: int = 512,
     ) -> None:
+        if isinstance(sandbox, str):  # a backend by name (``make_sandbox``), shared by trajectories
+            sandbox = shared_sandbox(sandbox)
         self.sandbox, self.own_sandbox = sandbox, sandbox is None
         self.kinds, self.timeout_s, self.memory_mb = tuple(kinds), timeout_s, memory_mb
         self.session: Any = None

@@ -29,6 +29,9 @@ spec                                 backend                                    
                                      (``trident.sandbox.pool``)
 ``http://HOST:PORT``,                ``RemoteSandbox``: a ``trident sandbox serve``     yes
 ``trident+http://HOST:PORT``         service (``trident.sandbox.service``)
+``http://A:PORT,http://B:PORT,...``  ``SandboxFleet``: several services, least-loaded   yes
+                                     host first, a failed call retried on another
+                                     (``trident.sandbox.fleet``)
 ``sandboxfusion+http://HOST:PORT``   ``SandboxFusionSandbox``: a SandboxFusion server   no
                                      (``trident.sandbox.sandboxfusion``)
 ``e2b``, ``e2b:TEMPLATE``            ``E2BSandbox``: e2b cloud sandboxes, needs         yes
@@ -204,6 +207,11 @@ def make_sandbox(spec: str | None = None, **kwargs: Any) -> Sandbox:
     scheme, sep, rest = spec.partition("+")
     if sep and scheme == "trident" and rest.startswith(("http://", "https://")):
         spec = rest
+    if "," in spec:  # several trident sandbox serve hosts
+        from trident.sandbox.fleet import SandboxFleet
+
+        urls = [u.strip().removeprefix("trident+") for u in spec.split(",") if u.strip()]
+        return SandboxFleet(urls, **kwargs)
     if spec.startswith(("http://", "https://")):
         from trident.sandbox.service import RemoteSandbox
 
@@ -221,6 +229,14 @@ def make_sandbox(spec: str | None = None, **kwargs: Any) -> Sandbox:
         f"unknown sandbox {spec!r}: use 'local', 'http://HOST:PORT' (trident sandbox serve), "
         "'sandboxfusion+http://HOST:PORT' or 'e2b[:TEMPLATE]'"
     )
+
+
+@functools.cache
+def shared_sandbox(spec: str) -> Sandbox:
+    """One backend per ``spec`` for the whole process, never closed before it exits: what
+    environments built per trajectory use when ``env.kwargs.sandbox`` names a backend, so their
+    trajectories share one pool (or one fleet's load counts)."""
+    return make_sandbox(spec)
 
 
 class BlockingClient:
@@ -288,4 +304,5 @@ __all__ = [
     "SessionClosedError",
     "SessionKind",
     "make_sandbox",
+    "shared_sandbox",
 ]

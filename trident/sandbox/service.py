@@ -41,7 +41,13 @@ from typing import Any
 import httpx
 from aiohttp import web
 
-from trident.sandbox import BlockingClient, SandboxResult, SessionClosedError, SessionKind
+from trident.sandbox import (
+    BlockingClient,
+    InfraError,
+    SandboxResult,
+    SessionClosedError,
+    SessionKind,
+)
 from trident.sandbox.pool import PoolSession, SandboxPool
 
 
@@ -325,6 +331,17 @@ class RemoteSession:
         self._created = False
         self._closed = False
 
+    def start(self) -> None:
+        """Create the session on the service now (the first ``exec`` does it otherwise); raise
+        ``InfraError`` if the service cannot."""
+        if self._created:
+            return
+        body = {"id": self.id, "ttl_s": self._ttl_s, "memory_mb": self._memory_mb}
+        outcome = self._sandbox._request("POST", "/sessions", body, 0.0, idempotent=False)
+        if isinstance(outcome, str) or outcome[0] != 200:
+            raise InfraError(outcome if isinstance(outcome, str) else str(outcome[1]))
+        self._created = True
+
     def exec(
         self, code: str, *, kind: SessionKind = "python", timeout_s: float = 30.0
     ) -> SandboxResult:
@@ -333,13 +350,10 @@ class RemoteSession:
         start = time.monotonic()
         remote = self._sandbox
         if not self._created:
-            body = {"id": self.id, "ttl_s": self._ttl_s, "memory_mb": self._memory_mb}
-            outcome = remote._request("POST", "/sessions", body, 0.0, idempotent=False)
-            if isinstance(outcome, str) or outcome[0] != 200:
-                return remote._result(
-                    outcome if isinstance(outcome, str) else str(outcome[1]), start
-                )
-            self._created = True
+            try:
+                self.start()
+            except InfraError as e:
+                return SandboxResult.infra_error(str(e), time.monotonic() - start)
         body = {"code": code, "kind": kind, "timeout_s": timeout_s}
         outcome = remote._request(
             "POST", f"/sessions/{self.id}/exec", body, timeout_s, idempotent=False
