@@ -41,7 +41,14 @@ from trident.rollout.engine import Completion, SamplingParams, VLLMClient
 from trident.rollout.vllm_server import VLLMServer
 from trident.sample import Sample
 from trident.tools.parsers import HermesParser, ToolCall, get_parser
-from trident.tools.toolset import MCPClient, ToolError, ToolSet, function_schema, tool
+from trident.tools.toolset import (
+    MCPClient,
+    ToolError,
+    ToolInfraError,
+    ToolSet,
+    function_schema,
+    tool,
+)
 
 # -- parser ---------------------------------------------------------------------------------------
 
@@ -316,6 +323,12 @@ def lookup(key: str) -> str:
     """Look up the value of a key in the corpus."""
     return CORPUS.get(key, f"no entry {key}")
 
+@server.tool()
+def crash() -> str:
+    """Die mid-call, as a crashing server does."""
+    import os
+    os._exit(3)
+
 if __name__ == "__main__":
     if len(sys.argv) > 2:
         server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
@@ -335,7 +348,7 @@ def mcp_server_script(tmp_path_factory) -> str:
 
 def _mcp_lookup(client: MCPClient) -> list:
     tools = client.tools()
-    assert [t.name for t in tools] == ["lookup"]
+    assert [t.name for t in tools] == ["lookup", "crash"]
     assert tools[0].description == "Look up the value of a key in the corpus."
     assert tools[0].parameters["required"] == ["key"]
     return tools
@@ -353,6 +366,24 @@ def test_mcp_tools_over_stdio(mcp_server_script):
     results = asyncio.run(main())
     assert [r.content for r in results[:2]] == ["41", "27"]
     assert results[2].error and "missing argument(s): key" in results[2].content
+
+
+def test_an_mcp_server_that_dies_or_does_not_start_is_an_infra_error(mcp_server_script):
+    async def crash() -> None:
+        async with MCPClient([sys.executable, mcp_server_script, json.dumps(CORPUS)]) as mcp:
+            await ToolSet(mcp.tools()).run_one(ToolCall("c0", "crash", {}))
+
+    t0 = time.monotonic()
+    with pytest.raises(ToolInfraError, match="MCP tool crash"):
+        asyncio.run(crash())
+    assert time.monotonic() - t0 < 20  # noticed when the pipe closes, not at the call's timeout
+
+    async def missing() -> None:
+        async with MCPClient(["/no/such/mcp-server"]):
+            pass
+
+    with pytest.raises(ToolInfraError, match="did not start"):
+        asyncio.run(missing())
 
 
 def _free_port() -> int:

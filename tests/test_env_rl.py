@@ -1,11 +1,13 @@
 """Agentic RL through ``trident train``: ``env.name`` drives multi-turn rollouts of an environment
 (the agent loop) in the real pipeline (vLLM server, FSDP2 trainer, Ray, verified weight sync).
 
-CI: a model warmed up for a few steps on calc_lookup demonstrations writes tool calls (mostly
-malformed ones at that point, so trajectories have several turns: call, error, call again). Two
-GRPO steps must train on those trajectories with the engine's logprobs exactly where the loss
-mask is (step-0 mismatch ~1e-7, ratio 1), log the agent metrics, and evaluate the environment's
-success rate before and after. The same rollout, run against a server directly, shows the masks:
+CI: a model warmed up for a few steps on calc_lookup demonstrations writes tool calls (about
+half of them malformed at that point, and keys it cannot copy yet, so trajectories have several
+turns: call, error, call again). Two GRPO steps must train on those trajectories with the
+engine's logprobs exactly where the loss mask is (step-0 mismatch ~1e-7, ratio 1), log the agent
+metrics, and evaluate the environment's success rate before and after. The run's ``lookup`` is an
+MCP server started from ``env.mcp_servers``; its log and the trajectories show that the model
+read its answers. The same rollout, run against a server directly, shows the masks:
 one trained span per model turn, tool results untrained.
 
 Slow: the recipe of ``configs/agent_demo.yaml`` end to end — SFT on demonstrations, then GRPO —
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,13 +72,45 @@ def _sft_on_env_data(base: str, out: Path, options: dict, *overrides: str) -> st
 def tool_caller(tiny_model, tmp_path_factory) -> str:
     """A few SFT steps on calc_lookup demonstrations: the tool-call format, not the task."""
     out = tmp_path_factory.mktemp("env_sft")
-    steps = ["sft.steps=40", "sft.batch_size=8", "sft.lr=4e-3", "sft.warmup_steps=5"]
+    steps = ["sft.steps=80", "sft.batch_size=8", "sft.lr=4e-3", "sft.warmup_steps=5"]
     return _sft_on_env_data(tiny_model, out, {"parallel_fraction": 1.0}, *steps)
+
+
+# The lookup as an MCP server (a key-value service, as a real one would be: it does not know the
+# episode's row): it replaces calc_lookup's built-in `lookup` (same name), answers from the union
+# of the run's rows' corpora, and logs every call, so the test sees results only it produced.
+MCP_LOOKUP = '''
+import json, sys
+try:
+    from mcp.server.mcpserver import MCPServer
+except ImportError:  # mcp 1.x
+    from mcp.server.fastmcp import FastMCP as MCPServer
+
+TABLE = json.load(open(sys.argv[1]))
+server = MCPServer("lookup")
+
+@server.tool()
+def lookup(key: str) -> str:
+    """Look up the value of a key in the corpus."""
+    with open(sys.argv[2], "a") as log:
+        log.write(json.dumps([key, TABLE.get(key)]) + "\\n")
+    if key not in TABLE:
+        raise ValueError(f"no entry {key}")
+    return TABLE[key]
+
+server.run()
+'''
 
 
 @pytest.fixture(scope="module")
 def env_run(tool_caller, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("env_rl")
+    (run_dir / "mcp_lookup.py").write_text(MCP_LOOKUP)
+    rows = [r for split in ("train", "test") for r in split_rows(load_config([], ENV), split)]
+    table = {k: v for r in reversed(rows) for k, v in r["corpus"].items()}
+    (run_dir / "table.json").write_text(json.dumps(table))
+    server = [sys.executable, run_dir / "mcp_lookup.py", run_dir / "table.json", run_dir / "calls"]
+    mcp = f"{{command: [{', '.join(map(str, server))}]}}"
     cfg = load_config(
         [],
         [
@@ -83,6 +118,7 @@ def env_run(tool_caller, tmp_path_factory):
             f"run.dir={run_dir}",
             "run.name=env",
             *ENV,
+            f"env.mcp_servers=[{mcp}]",
             "pipeline.steps=2",
             "pipeline.prompts_per_step=4",
             "rollout.n=4",
@@ -122,6 +158,16 @@ def test_train_on_an_environment_end_to_end(env_run):
             saved
         )
         assert saved["samples"][0]["greedy_messages"][0]["role"] == "assistant"
+    # the lookups were the MCP server's (started from env.mcp_servers), and the model read its
+    # answers: values from its table, or its own error message
+    calls = [json.loads(line) for line in (run_dir.parent / "calls").read_text().splitlines()]
+    assert calls, "no lookup reached the MCP server"
+    table = json.loads((run_dir.parent / "table.json").read_text())
+    assert all(value == table.get(key) for key, value in calls)
+    results = [m["content"] for s in saved["samples"] for m in s["greedy_messages"]
+               if m["role"] == "tool" and m.get("name") == "lookup"]  # fmt: skip
+    assert results and all((r.startswith("Error: lookup: ") and "no entry" in r) or r in table.values()
+                           for r in results), results  # fmt: skip
 
 
 def test_env_groups_have_one_trained_span_per_model_turn(tool_caller, tmp_path):
@@ -221,3 +267,11 @@ def test_env_config_is_checked_before_anything_starts():
     assert (agent.max_turn_tokens, agent.max_total_tokens, agent.show_tools) == (20, 512, True)
     assert split_rows(cfg, "test")[:2] == env_rows("calc_lookup", 2, "test")
     assert load_config([AGENT_DEMO]).env.data_kwargs["answer_formats"][0] == "Answer: {answer}"
+    with pytest.raises(ConfigError, match=r"mcp_servers\[0\]: give exactly one of `command`"):
+        load_config([], ["env.name=calc_lookup", "env.mcp_servers=[{command: [a], url: b}]"])
+    with pytest.raises(ConfigError, match=r"mcp_servers\[0\]: give exactly one"):
+        load_config([], ["env.name=calc_lookup", "env.mcp_servers=[{command: a}]"])
+    with pytest.raises(ConfigError, match="env.mcp_servers adds tools to an environment"):
+        load_config([], ["env.mcp_servers=[{url: http://h/mcp}]"])
+    cfg = load_config([], ["env.name=calc_lookup", "env.mcp_servers=[{url: http://h/mcp}]"])
+    assert agent_config(cfg).mcp_servers == ({"url": "http://h/mcp"},)

@@ -29,9 +29,11 @@ The reward is the sum of the environment's step rewards (0.0 when it gave none).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections import Counter
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ from trident.rollout.engine import Completion, EngineError, RolloutEngine, Sampl
 from trident.sample import Sample, Status
 from trident.sandbox import InfraError
 from trident.tools.parsers import AssistantTurn, get_parser
-from trident.tools.toolset import ToolInfraError, ToolResult
+from trident.tools.toolset import MCPClient, ToolInfraError, ToolResult
 
 
 class TemplateError(ValueError):
@@ -62,6 +64,8 @@ class AgentConfig:
     show_tools: bool = True  # render the tool schemas in the prompt (chat template's `tools`)
     env_timeout_s: float = 60.0  # each env.reset / env.step call
     drift_dump_dir: str | None = None  # write a JSON dump per drifting trajectory here
+    # MCP servers ({command: [...]} or {url: ...}) connected per trajectory; their tools join the env's
+    mcp_servers: tuple[dict[str, Any], ...] = ()
 
 
 class Trajectory:
@@ -268,8 +272,15 @@ async def run_trajectory(
     per_turn = config.max_turn_tokens or params.max_tokens
     traj = Trajectory(tokenizer, [], None)
     rewards: list[float] = []
+    mcp = AsyncExitStack()
     try:
         messages = await asyncio.wait_for(env.reset(row), config.env_timeout_s)
+        for spec in config.mcp_servers:
+            server = spec.get("url") or spec["command"]
+            options = {k: spec[k] for k in ("env", "cwd", "timeout_s") if k in spec}
+            client = await mcp.enter_async_context(MCPClient(server, **options))
+            for t in client.tools():
+                env.tools.add(t)
         schemas = env.tools.schemas() if config.show_tools else None
         traj = Trajectory(tokenizer, messages, schemas or None)
         consecutive_errors = 0
@@ -317,6 +328,8 @@ async def run_trajectory(
         end_session = getattr(engine, "end_session", None)
         if end_session is not None:
             end_session(sample_id)
+        with contextlib.suppress(Exception):  # a dead server's transport may fail to close
+            await mcp.aclose()
     return traj.to_sample(
         sample_id, group_id, float(sum(rewards)), row, drift_dump_dir=config.drift_dump_dir
     )

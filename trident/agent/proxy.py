@@ -115,16 +115,21 @@ class AgentProxy:
         return f"http://{self.host}:{self.port}/s/{session_id}/v1"
 
     def collect(
-        self, session_id: str, reward: float, row: dict[str, Any] | None = None
+        self,
+        session_id: str,
+        reward: float,
+        row: dict[str, Any] | None = None,
+        group_id: str | None = None,
     ) -> list[Sample]:
-        """End the episode: one Sample per segment, each with ``reward``."""
+        """End the episode: one Sample per segment, each with ``reward``, in group ``group_id``
+        (default: the session's own)."""
         session = self.sessions.pop(session_id, _Session())
         end_session = getattr(self.engine, "end_session", None)
         if end_session is not None:
             end_session(session_id)
         samples = []
         for k, traj in enumerate(session.segments):
-            sample = traj.to_sample(f"{session_id}-{k}", session_id, reward, row or {})
+            sample = traj.to_sample(f"{session_id}-{k}", group_id or session_id, reward, row or {})
             sample.metadata["segment"] = k
             samples.append(sample)
         return samples

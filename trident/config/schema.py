@@ -167,6 +167,13 @@ class EnvConfig(Section):
         default_factory=dict,
         description="Options of the environment's data generator (`trident env data --options`, or `-c RECIPE` to take them from a config), e.g. an easier configuration.",
     )
+    mcp_servers: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="MCP servers whose tools join the environment's in every trajectory (a tool of the same name "
+        "replaces the environment's): `{command: [prog, arg, ...], env: {...}, cwd: ...}` (stdio, one server process "
+        "per trajectory) or `{url: http://.../mcp}` (streamable HTTP). A server that fails or dies makes the "
+        "trajectory an infra_error.",
+    )
     max_turns: int = Field(default=8, ge=1, description="Assistant turns per trajectory.")
     max_turn_tokens: int = Field(
         default=0,
@@ -554,6 +561,17 @@ class TridentConfig(Section):
         return self.env.max_response_tokens if self.env.name else self.rollout.max_tokens
 
     def _check_env(self) -> list[str]:
+        errors = [
+            f"env.mcp_servers[{i}]: give exactly one of `command` (a list) or `url`, got {spec}"
+            for i, spec in enumerate(self.env.mcp_servers)
+            if ("command" in spec) == ("url" in spec)
+            or not isinstance(spec.get("command", []), list)
+            or set(spec) - {"command", "url", "env", "cwd", "timeout_s"}
+        ]
+        if self.env.mcp_servers and not self.env.name:
+            errors.append("env.mcp_servers adds tools to an environment: set env.name too")
+        if errors:
+            return errors
         if not self.env.name:
             return []
         import difflib
@@ -570,6 +588,13 @@ class TridentConfig(Section):
                 f"registered: {', '.join(sorted(REGISTRY))}, or use module:Class"
             ]
         errors = []
+        if self.env.name == "agent_program":
+            if not isinstance(self.env.kwargs.get("command"), list):
+                errors.append("env.name=agent_program needs env.kwargs.command: [prog, arg, ...]")
+            if self.eval.before_after:
+                errors.append(
+                    "env.name=agent_program has no eval before/after yet: set eval.before_after=false"
+                )
         if not spec.data and not self.data.task and not self.data.train_path:
             errors.append(
                 f"env.name={self.env.name} has no data generator: set data.task or data.train_path"

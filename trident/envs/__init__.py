@@ -175,6 +175,14 @@ register_env(
     description="Terminal: reach a file-system state with bash in a sandbox session; a check script scores it.",
     corpus=False,  # the tiny tokenizer's corpus (and so every tiny checkpoint) stays as it was
 )
+AGENT_PROGRAM = "agent_program"
+register_env(
+    AGENT_PROGRAM,
+    "trident.agent.program:rollout_program_group",  # not an Env: the rollout runs the program
+    description="An unmodified agent program (env.kwargs.command) against a per-trajectory "
+    "OpenAI-compatible proxy; its stdout is scored by `reward`.",
+    corpus=False,
+)
 register_env(
     "verifiers",
     "trident.envs.adapters.verifiers_env:VerifiersEnv",

@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from trident.agent.loop import AgentConfig, rollout_env_group
+from trident.agent.program import rollout_program_group
 from trident.config import TridentConfig
 from trident.config.algo import AlgoConfig
 from trident.config.schema import RolloutConfig
 from trident.data.loaders import load_split
-from trident.envs import env_rows, get_spec
+from trident.envs import AGENT_PROGRAM, env_rows, get_spec
 from trident.models.load import encode_chat, prompt_messages
 from trident.rewards import RewardModel
 from trident.rollout.engine import RolloutEngine, SamplingParams
@@ -56,6 +57,7 @@ def agent_config(cfg: TridentConfig) -> AgentConfig:
         show_tools=e.show_tools,
         env_timeout_s=e.timeout_s,
         drift_dump_dir=str(Path(cfg.derived.run_dir) / "token_drift"),
+        mcp_servers=tuple(e.mcp_servers),
     )
 
 
@@ -165,6 +167,13 @@ class GroupRollout:
         params = params or self.params
         if not self.env:
             return await generate_group(engine, self.tokenizer, row, params, version, group_id)
+        if self.env == AGENT_PROGRAM:
+            kwargs = self.cfg.env.kwargs
+            return await rollout_program_group(
+                engine, self.tokenizer, row, params, version, self.cfg.rollout.n,
+                command=kwargs.get("command", []), timeout_s=kwargs.get("timeout_s", 120.0),
+                parser=self.cfg.env.parser, group_id=group_id,
+            )  # fmt: skip
         return await rollout_env_group(
             engine,
             self.tokenizer,
@@ -182,6 +191,8 @@ class GroupRollout:
         """Rewards of single-turn samples (the reward functions), then shaping."""
         if not self.env:
             await score(samples, self.rewards)
+        elif self.env == AGENT_PROGRAM:  # the program's stdout, like a single-turn response
+            await score([s for s in samples if s.status != "infra_error"], self.rewards)
         shape_rewards(samples, self.cfg.algo, self.max_len)
         return samples
 

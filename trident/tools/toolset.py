@@ -23,6 +23,7 @@ types, not full JSON Schema; tool output is text (MCP images and resources are s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import re
@@ -369,6 +370,10 @@ class MCPClient:
             session = await stack.enter_async_context(ClientSession(read, write))
             await asyncio.wait_for(session.initialize(), self.timeout_s)
             listed = await asyncio.wait_for(session.list_tools(), self.timeout_s)
+        except Exception as e:  # the server's fault (a bad command, a crash, no answer)
+            with contextlib.suppress(Exception):
+                await stack.aclose()
+            raise ToolInfraError(f"MCP server {self.server!r} did not start: {e!r}") from e
         except BaseException:
             await stack.aclose()
             raise
