@@ -576,7 +576,7 @@ class TridentConfig(Section):
             return []
         import difflib
 
-        from trident.envs import REGISTRY, get_spec
+        from trident.envs import AGENT_PROGRAM, REGISTRY, get_spec
 
         try:
             spec = get_spec(self.env.name)
@@ -588,7 +588,7 @@ class TridentConfig(Section):
                 f"registered: {', '.join(sorted(REGISTRY))}, or use module:Class"
             ]
         errors = []
-        if self.env.name == "agent_program":
+        if self.env.name == AGENT_PROGRAM:
             if not isinstance(self.env.kwargs.get("command"), list):
                 errors.append("env.name=agent_program needs env.kwargs.command: [prog, arg, ...]")
             if self.eval.before_after:

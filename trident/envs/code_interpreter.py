@@ -16,7 +16,6 @@ outputs in it are formatted by the same function the live tool uses.
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 from trident.data.tasks import extract_answer, generate_split
 from trident.envs import Message, StepResult
 from trident.models.load import prompt_messages
-from trident.sandbox import SandboxResult, shared_sandbox
+from trident.sandbox import EpisodeSandbox, SandboxResult
 from trident.tools.parsers import AssistantTurn
 from trident.tools.toolset import ToolResult, ToolSet, format_exec_result, sandbox_tools
 
@@ -39,22 +38,16 @@ class CodeEnv:
         timeout_s: float = 10.0,
         memory_mb: int = 512,
     ) -> None:
-        if isinstance(sandbox, str):  # a backend by name (``make_sandbox``), shared by trajectories
-            sandbox = shared_sandbox(sandbox)
-        self.sandbox, self.own_sandbox = sandbox, sandbox is None
+        self.box = EpisodeSandbox(sandbox)
         self.kinds, self.timeout_s, self.memory_mb = tuple(kinds), timeout_s, memory_mb
         self.session: Any = None
         self.tools = ToolSet()
         self.answer = ""
 
     async def reset(self, row: dict[str, Any]) -> list[Message]:
-        if self.sandbox is None:
-            from trident.sandbox.pool import SandboxPool
-
-            self.sandbox = SandboxPool(max_concurrency=1)
         self.answer = str(row["answer"])
         # A session lives at most as long as an episode may idle between two tool calls.
-        self.session = self.sandbox.open_session(ttl_s=600.0, memory_mb=self.memory_mb)
+        self.session = self.box.open(ttl_s=600.0, memory_mb=self.memory_mb)
         self.tools = ToolSet(sandbox_tools(self.session, self.kinds, self.timeout_s))
         return prompt_messages(row["prompt"])
 
@@ -65,12 +58,7 @@ class CodeEnv:
         return StepResult(reward=float(got is not None and got.strip() == self.answer), done=True)
 
     async def close(self) -> None:
-        session, self.session = self.session, None
-        if session is not None:
-            await asyncio.to_thread(session.close)
-        if self.own_sandbox and self.sandbox is not None:
-            sandbox, self.sandbox = self.sandbox, None
-            await asyncio.to_thread(sandbox.close)
+        await self.box.close()
 
 
 def _question(rng: random.Random) -> tuple[str, str, str]:

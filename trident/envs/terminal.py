@@ -30,7 +30,6 @@ Each row has a ``messages`` demonstration whose tool outputs are what the comman
 
 from __future__ import annotations
 
-import asyncio
 import random
 import shlex
 from collections.abc import Sequence
@@ -39,7 +38,7 @@ from typing import Any
 from trident.data.tasks import generate_split
 from trident.envs import Message, StepResult
 from trident.models.load import prompt_messages
-from trident.sandbox import InfraError, SandboxResult, SessionClosedError, shared_sandbox
+from trident.sandbox import EpisodeSandbox, InfraError, SandboxResult, SessionClosedError
 from trident.tools.parsers import AssistantTurn
 from trident.tools.toolset import ToolResult, ToolSet, format_exec_result, sandbox_tools
 
@@ -62,9 +61,7 @@ class TerminalEnv:
         ttl_s: float = 600.0,
         max_output_chars: int = 2000,
     ) -> None:
-        if isinstance(sandbox, str):  # a backend by name (``make_sandbox``), shared by trajectories
-            sandbox = shared_sandbox(sandbox)
-        self.sandbox, self.own_sandbox = sandbox, sandbox is None
+        self.box = EpisodeSandbox(sandbox)
         self.timeout_s, self.memory_mb, self.ttl_s = timeout_s, memory_mb, ttl_s
         self.max_output_chars = max_output_chars
         self.session: Any = None
@@ -72,11 +69,7 @@ class TerminalEnv:
         self.check = ""
 
     async def reset(self, row: dict[str, Any]) -> list[Message]:
-        if self.sandbox is None:
-            from trident.sandbox.pool import SandboxPool
-
-            self.sandbox = SandboxPool(max_concurrency=1)
-        self.session = self.sandbox.open_session(ttl_s=self.ttl_s, memory_mb=self.memory_mb)
+        self.session = self.box.open(ttl_s=self.ttl_s, memory_mb=self.memory_mb)
         self.tools = ToolSet(
             sandbox_tools(self.session, ("bash",), self.timeout_s), self.max_output_chars
         )
@@ -105,12 +98,7 @@ class TerminalEnv:
         return result
 
     async def close(self) -> None:
-        session, self.session = self.session, None
-        if session is not None:
-            await asyncio.to_thread(session.close)
-        if self.own_sandbox and self.sandbox is not None:
-            sandbox, self.sandbox = self.sandbox, None
-            await asyncio.to_thread(sandbox.close)
+        await self.box.close()
 
 
 # -- rows -----------------------------------------------------------------------------------------

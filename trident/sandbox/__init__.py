@@ -239,6 +239,36 @@ def shared_sandbox(spec: str) -> Sandbox:
     return make_sandbox(spec)
 
 
+class EpisodeSandbox:
+    """The sandbox session of one episode (an environment's trajectory), from ``sandbox``: a
+    backend shared by every trajectory, a ``make_sandbox`` spec (one backend for the process,
+    ``shared_sandbox``), or None for a private pool opened for the episode and closed with it."""
+
+    def __init__(self, sandbox: Sandbox | str | None = None) -> None:
+        if isinstance(sandbox, str):
+            sandbox = shared_sandbox(sandbox)
+        self.sandbox, self.own = sandbox, sandbox is None
+        self.session: Any = None
+
+    def open(self, *, ttl_s: float, memory_mb: int) -> Any:
+        """Open the episode's session (a ``Session``; remote ones add ``exec_async``)."""
+        if self.sandbox is None:
+            from trident.sandbox.pool import SandboxPool
+
+            self.sandbox = SandboxPool(max_concurrency=1)
+        self.session = self.sandbox.open_session(ttl_s=ttl_s, memory_mb=memory_mb)
+        return self.session
+
+    async def close(self) -> None:
+        """Close the session, and the private pool if there is one. Idempotent."""
+        session, self.session = self.session, None
+        if session is not None:
+            await asyncio.to_thread(session.close)
+        if self.own and self.sandbox is not None:
+            sandbox, self.sandbox = self.sandbox, None
+            await asyncio.to_thread(sandbox.close)
+
+
 class BlockingClient:
     """For backends whose ``run`` blocks (HTTP and SDK clients): ``run_async`` runs it on the
     backend's own thread pool, ``self._executor``."""
@@ -303,6 +333,7 @@ __all__ = [
     "Session",
     "SessionClosedError",
     "SessionKind",
+    "EpisodeSandbox",
     "make_sandbox",
     "shared_sandbox",
 ]

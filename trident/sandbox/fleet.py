@@ -45,15 +45,15 @@ class SandboxFleet(BlockingClient):
         )
 
     def _order(self) -> list[int]:
-        """Hosts to try: the healthy ones by calls in flight, then those due for a recheck."""
+        """Hosts to try: those not marked down, by calls in flight; if every host is down, those
+        that answer ``/health`` now."""
         now = time.monotonic()
         with self._lock:
             up = sorted(
                 (i for i in range(len(self.hosts)) if self.down_until[i] <= now),
                 key=lambda i: (self.inflight[i], self.calls[i]),
             )
-        due = [i for i in range(len(self.hosts)) if i not in up]
-        return up + [i for i in due if self.hosts[i].health()]
+        return up or [i for i in range(len(self.hosts)) if self.hosts[i].health()]
 
     def _on(self, i: int, call: Callable[[RemoteSandbox], _T], failed: Callable[[_T], bool]) -> _T:
         with self._lock:
