@@ -2,14 +2,13 @@
 
 ``make_sandbox("http://a:8000,http://b:8000")`` (or ``$TRIDENT_SANDBOX`` set to such a list)
 builds a ``SandboxFleet``. Each call goes to the healthy host with the fewest calls in flight
-(an open session counts as one until it closes), so load spreads by how fast each host
-answers. A call
-whose host fails (status ``error``: unreachable, overloaded, a bad reply) marks the host down and
-is retried once on each other healthy host; a host that is down is asked ``/health`` again after
-``recheck_s`` and rejoins when it answers. A session stays on the host that opened it (its
-state lives there); opening one tries the hosts in the same order. Only when every host fails
-does the caller see the ``error`` result (for the code reward: an ``infra_error`` sample, never a
-zero reward).
+(an open session counts as one until it closes), so load spreads by how fast each host answers.
+A call whose host fails (status ``error``: unreachable, overloaded, a bad reply) marks the host
+down and is retried once on each other healthy host; a host that is down is left out for
+``recheck_s``, then tried again (when every host is down, those that answer ``/health`` are
+tried). A session stays on the host that opened it (its state lives there); opening one tries
+the hosts in the same order. Only when every host fails does the caller see the ``error``
+result (for the code reward: an ``infra_error`` sample, never a zero reward).
 """
 
 from __future__ import annotations
