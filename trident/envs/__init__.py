@@ -175,6 +175,13 @@ register_env(
     description="Terminal: reach a file-system state with bash in a sandbox session; a check script scores it.",
     corpus=False,  # the tiny tokenizer's corpus (and so every tiny checkpoint) stays as it was
 )
+register_env(
+    "browser",
+    "trident.envs.browser:BrowserEnv",
+    data="trident.envs.browser:make_rows",
+    description="Browser: goto/click/type/read on a local web app in headless Chromium; the final page is checked.",
+    corpus=False,
+)
 AGENT_PROGRAM = "agent_program"
 register_env(
     AGENT_PROGRAM,
