@@ -172,9 +172,13 @@ def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
             proc.kill()
     assert proc.returncode == 2, out[-3000:]
     last = out.strip().splitlines()[-1]
-    # the server stopped in the middle of a request: generation, or the next weight sync
+    # the server stopped in the middle of a request: generation, or the next weight sync; or
+    # the sync's health check took it out and its restart outlasted the timeout
     assert "no step progress" in last, last
-    assert re.search(r"stage '(generate' on rollout http://|weight sync' on trainer)", last), last
+    stage = (
+        r"stage '(generate' on rollout http://|weight sync' on trainer|restart' on rollout http://)"
+    )
+    assert re.search(stage, last), last
     (hang,) = (tmp_path / "r").glob("hang-*")
     driver = (hang / "driver.txt").read_text()
     assert "asyncio tasks" in driver and "trident/pipeline" in driver  # where the driver waits

@@ -65,6 +65,7 @@ from urllib.parse import urljoin, urlsplit
 from trident.cluster.process import die_with_parent
 from trident.data.tasks import generate_split
 from trident.envs import Message, StepResult
+from trident.envs.terminal import WORDS
 from trident.envs.web_site import Site, SiteState, render
 from trident.models.load import prompt_messages
 from trident.sandbox import InfraError
@@ -76,10 +77,6 @@ _T = TypeVar("_T")
 NAMES = (
     "Ada", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jade", "Kai", "Lena",
     "Milo", "Nia", "Otto", "Pia", "Quinn", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Yara",
-)  # fmt: skip
-WORDS = (
-    "apple", "birch", "cedar", "delta", "ember", "fjord", "grape", "heron", "ivory", "jolly",
-    "koala", "lemon", "maple", "noble", "olive", "pearl", "quartz", "raven", "stone", "tulip",
 )  # fmt: skip
 SURNAMES = ("Park", "Lee", "Moss", "Gray", "Hill", "Fox", "Reed", "Stone")
 KINDS = ("subscribe", "note", "lookup")

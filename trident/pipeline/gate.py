@@ -126,10 +126,14 @@ class WeightGate:
 
     async def _push(self, push: Callable[[list[str]], Awaitable[dict[str, float]]]) -> dict:
         await self.servers.check()
+        urls = self.servers.up_urls
         try:
-            return await push(self.servers.up_urls)
+            return await push(urls)
         except Exception:
-            if not await self.servers.check():  # every server answers: the push itself failed
+            await self.servers.check()
+            # Every server pushed to is still up: the push itself failed. (A server taken out
+            # meanwhile, by this check or by a failed request, is left out of the retry.)
+            if set(urls) <= set(self.servers.up_urls):
                 raise
         return await push(self.servers.up_urls)
 

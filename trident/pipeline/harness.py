@@ -151,7 +151,9 @@ class RunHarness:
         self.gate = WeightGate(router)
         rc = cfg.rollout
         self.recovery = (
-            ServerRecovery(router, self.gate, trainer, fleet, rc.max_restarts, rc.health_check_s)
+            ServerRecovery(
+                router, self.gate, trainer, fleet, rc.max_restarts, rc.health_check_s, self.trace
+            )
             if fleet is not None
             else None
         )

@@ -42,6 +42,7 @@ from trident.pipeline.gate import WeightGate
 from trident.rollout.engine import VLLMClient
 from trident.rollout.router import Router
 from trident.rollout.vllm_server import log_tail
+from trident.telemetry.trace import Trace
 
 
 class ServerDiedError(RuntimeError):
@@ -80,9 +81,11 @@ class ServerRecovery:
         fleet: Fleet,
         max_restarts: int,
         health_check_s: float,
+        trace: Trace | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.router, self.gate, self.trainer, self.fleet = router, gate, trainer, fleet
+        self.trace = trace or Trace()  # a recovery is a span (``restart``) the watchdog can name
         self.max_restarts, self.health_check_s, self.clock = max_restarts, health_check_s, clock
         self.restarts = [0] * len(router.clients)
         self.last_recovery_s: float | None = None  # detected -> back in, the latest recovery
@@ -112,6 +115,10 @@ class ServerRecovery:
         task.add_done_callback(self._tasks.discard)
 
     async def _recover(self, i: int, detected: float) -> None:
+        with self.trace.span("restart", f"rollout {self.router.clients[i].url}"):
+            await self._restart(i, detected)
+
+    async def _restart(self, i: int, detected: float) -> None:
         try:
             client = await self.fleet.restart(i)
         except Exception as e:
