@@ -20,7 +20,8 @@ back in.
    weight gate's lock, so no weight update runs meanwhile; then the router sends to it again.
 
 Each recovery is timed (detected -> back in) into ``rollout/recovery_s``; ``rollout/restarts``
-counts them over the run.
+counts them over the run. It is also a ``restart`` span on the server in the run's trace, so a
+hang during one is reported as that stage.
 
 Simplifications: the server restarts where its actor lives (a lost node is not replaced); a
 weight update that fails because a server died during it is repeated once without that server
