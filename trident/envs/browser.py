@@ -159,6 +159,8 @@ class BrowserPool:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
+            if not self._thread.is_alive():
+                self._loop.close()  # what makes a second close() return at once
             self._kill()
             self.site.close()
 

@@ -193,7 +193,7 @@ def _handler(site: Site) -> type[BaseHTTPRequestHandler]:
         protocol_version = "HTTP/1.1"
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
-            pass
+            """No line on stderr per request (the base class writes one)."""
 
         def do_GET(self) -> None:
             self._serve(None)
