@@ -5,7 +5,9 @@ format reward (DeepSeek-R1 style). This is the GRPO learning test of the algorit
 must rise within 20 steps, on the training samples and on held-out prompts. (20, not 12: the
 warm-up the installed libraries produce now starts at ~36% held-out instead of ~54%, and from
 there 12 steps left the rise of training accuracy within run-to-run noise: 0.27 -> 0.30 in one
-fresh-clone run.)"""
+fresh-clone run.) Two optimizer steps per batch, as the demo takes: with one, accuracy rose only
+0.13 -> 0.20 over the 20 steps in a CI run (0.17 -> 0.28 here), within reach of the noise of 128
+samples; with two it rose 0.15 -> 0.33 (held-out greedy 23% -> 58%) in the same time."""
 
 import json
 from pathlib import Path
@@ -38,6 +40,7 @@ def grpo_run(demo_sft_model, tmp_path_factory):
             "pipeline.prompts_per_step=16",
             "trainer.lr=3e-4",
             "trainer.warmup_steps=2",
+            "trainer.mini_batches=2",
             "trainer.cpu_threads=1",
             "reward.fns=[{name: task, weight: 1.0}, {name: format, weight: 0.5}]",
             "checkpoint.every=10",
