@@ -10,9 +10,8 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import ray
 
@@ -27,8 +26,6 @@ from trident.rollout.router import Router
 from trident.telemetry.metrics import MetricsLogger
 from trident.train.group import TrainerGroup, TrainerRankError
 from trident.weights.backend import server_backend
-
-T = TypeVar("T")
 
 DRIVERS: dict[str, Callable[[RunHarness], Awaitable[None]]] = {
     "sync": sync.train,
@@ -75,18 +72,16 @@ def _run_once(cfg: TridentConfig) -> dict[str, Any]:
             # checked in seconds, before anything starts; every role's actors go in the group
             plan = stack.enter_context(reserve(plan_for(cfg, ray.cluster_resources())))
             stack.enter_context(_resumable(run_dir))
-            fleet = None
-            if attached:
-                router = attach(cfg)
-            else:
-                fleet = _started(
-                    stack, f"{cfg.rollout.num_servers} rollout server(s)",
-                    RolloutFleet(cfg, cfg.model.path, run_dir, server_backend(cfg.sync), plan),
-                )  # fmt: skip
+            fleet, router = None, attach(cfg) if attached else None
+            if not attached:
+                fleet = RolloutFleet(cfg, cfg.model.path, run_dir, server_backend(cfg.sync), plan)
+            trainer = TrainerGroup(cfg, plan)
+            # Both start at once (their imports and loading overlap), except where they share
+            # a GPU: vLLM sizes its KV cache from the memory free while it profiles.
+            _start(stack, trainer, fleet, together=plan.mode != "colocated")
+            if fleet is not None:
                 router = fleet.router
-            trainer = _started(
-                stack, f"{cfg.trainer.num_ranks} trainer rank(s)", TrainerGroup(cfg, plan)
-            )
+            assert router is not None
             pids = (fleet.pids() if fleet else {}) | trainer.pids
             results = asyncio.run(run(cfg, router, trainer, log, resume_from, pids, fleet=fleet))
     finally:
@@ -99,14 +94,36 @@ def _run_once(cfg: TridentConfig) -> dict[str, Any]:
     return results
 
 
-def _started(stack: contextlib.ExitStack, what: str, cm: AbstractContextManager[T]) -> T:
-    """Enter ``cm`` on ``stack``, saying what is starting and how long it took (start-up is
-    most of a short run's time: a user should see where it goes)."""
-    print(f"starting {what}", file=sys.stderr, flush=True)
-    start = time.monotonic()
-    entered = stack.enter_context(cm)
-    print(f"{what} up in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
-    return entered
+def _start(
+    stack: contextlib.ExitStack,
+    trainer: TrainerGroup,
+    fleet: RolloutFleet | None,
+    together: bool,
+) -> None:
+    """Start the servers (unless attached) and the trainer ranks, stopped by ``stack`` on exit;
+    ``together``: launch both before waiting for either. Says what is starting and how long
+    each took (start-up is most of a short run's time: a user should see where it goes)."""
+    parts: list[tuple[str, RolloutFleet | TrainerGroup]] = [
+        (f"{trainer.cfg.trainer.num_ranks} trainer rank(s)", trainer)
+    ]
+    if fleet is not None:
+        parts.insert(0, (f"{fleet.cfg.rollout.num_servers} rollout server(s)", fleet))
+    launched: dict[str, float] = {}
+    for what, part in parts:
+        stack.push(part)  # its __exit__ stops whatever it launched
+        print(f"starting {what}", file=sys.stderr, flush=True)
+        launched[what] = time.monotonic()
+        part.launch()
+        if not together:
+            _ready(what, part, launched[what])
+    if together:
+        for what, part in sorted(parts, key=lambda p: p[1] is fleet):  # the trainer: sooner
+            _ready(what, part, launched[what])
+
+
+def _ready(what: str, part: RolloutFleet | TrainerGroup, launched: float) -> None:
+    part.ready()
+    print(f"{what} up in {time.monotonic() - launched:.1f} s", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

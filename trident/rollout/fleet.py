@@ -115,17 +115,23 @@ class RolloutFleet(AbstractContextManager):
         self.log_dir = Path(run_dir) / "logs"
         self.weight_transfer = weight_transfer
         self.actors: list[Any] = []
+        self._starts: list[Any] = []  # each actor's start call (launch), awaited by ready
         self.nodes: dict[str, str] = {}  # url -> Ray node id (a restart keeps both)
         self._router: Router | None = None
 
     def __enter__(self) -> RolloutFleet:
+        self.launch()
+        return self.ready()
+
+    def launch(self) -> None:
+        """Create the server actors and ask each to start its server; returns at once
+        (``ready`` waits), so that the trainer can start meanwhile."""
         rc = self.cfg.rollout
         options = server_options(self.cfg, self.weight_transfer)
         c = self.cfg.cluster
-        plan = self.plan or make_plan(
+        plan = self.plan = self.plan or make_plan(
             c.placement, 0, rc.num_servers, ray.cluster_resources(), c.role_resources
         )
-        res = plan.slot("rollout", 0).resources if rc.num_servers else {}
         ports = [rc.base_port + i if rc.base_port else 0 for i in range(rc.num_servers)]
         if single_node():  # fail before any actor starts; on a cluster the actor's node checks
             for port in filter(None, ports):
@@ -136,15 +142,20 @@ class RolloutFleet(AbstractContextManager):
                 self.model_path, log, {**options, "port": port}
             )
             self.actors.append(actor)
+        self._starts = [a.start.remote(rc.startup_timeout_s) for a in self.actors]
+
+    def ready(self) -> RolloutFleet:
+        """Wait until every server launched answers (stopping them all if one does not)."""
+        rc = self.cfg.rollout
         try:
             # bounded even when an actor cannot be placed (its own start has the same timeout)
-            starts = [a.start.remote(rc.startup_timeout_s) for a in self.actors]
-            urls = ray.get(starts, timeout=rc.startup_timeout_s + 60)
+            urls = ray.get(self._starts, timeout=rc.startup_timeout_s + 60)
         except RayTaskError as e:
             self.__exit__(None, None, None)
             raise e.as_instanceof_cause() from None
         except GetTimeoutError:
             self.__exit__(None, None, None)
+            res = self.plan.slot("rollout", 0).resources if self.plan and rc.num_servers else {}
             raise ServerStartError(
                 f"{rc.num_servers} rollout server(s) asking for {res} each were not up within "
                 f"{rc.startup_timeout_s + 60:.0f} s; cluster resources: {ray.cluster_resources()}"

@@ -107,6 +107,7 @@ class VLLMServer:
         }
         if cpu:  # vLLM's CPU platform takes "uni" only when told its engine is not multiprocess
             self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            self.env["TRIDENT_VLLM_FORK"] = "1"  # fork the engine core (vllm_plugin.py)
         if weight_transfer_backend == "ipc":  # vLLM's ipc backend ships pickled CUDA IPC handles
             self.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self.proc: subprocess.Popen | None = None

@@ -60,11 +60,18 @@ class TrainerGroup(AbstractContextManager):
         self.pids: dict[str, int] = {}  # rank -> process id (for stack dumps)
 
     def __enter__(self) -> TrainerGroup:
+        self.launch()
+        return self.ready()
+
+    def launch(self) -> None:
+        """Create the rank actors; returns once they are asked to start (``ready`` waits), so
+        that the rollout servers can start meanwhile."""
         n = self.cfg.trainer.num_ranks
         c = self.cfg.cluster
-        plan = self.plan or make_plan(c.placement, n, 0, ray.cluster_resources(), c.role_resources)
+        plan = self.plan = self.plan or make_plan(
+            c.placement, n, 0, ray.cluster_resources(), c.role_resources
+        )
         actor_cls = ray.remote(PolicyWorker)
-        resources = plan.slot("trainer", 0).resources
         addr, port = _rendezvous(plan)
         self.workers = [
             actor_cls.options(**plan.actor_options("trainer", rank)).remote(
@@ -72,10 +79,16 @@ class TrainerGroup(AbstractContextManager):
             )
             for rank in range(n)
         ]
+
+    def ready(self) -> TrainerGroup:
+        """Wait until every rank launched has built its model and joined the group (stopping
+        them all if one does not)."""
+        n = self.cfg.trainer.num_ranks
         try:
             ray.get([w.__ray_ready__.remote() for w in self.workers], timeout=START_TIMEOUT_S)
         except GetTimeoutError:
             self.__exit__(None, None, None)
+            resources = self.plan.slot("trainer", 0).resources if self.plan else {}
             raise TrainerStartError(
                 f"{n} trainer rank(s) asking for {resources} each did not start within "
                 f"{START_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}"
