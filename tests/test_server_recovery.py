@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -53,6 +54,28 @@ def _engine_core(api_server: int, tag: str) -> int:
         p for p in tagged_processes(tag) if "EngineCore" in _cmdline(p) and parent(p) == api_server
     ]
     return engine
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _kill_while_busy(pid: int, timeout: float = 120) -> None:
+    """SIGKILL ``pid`` (an engine core) in the middle of work: right after its CPU time moved
+    within 20 ms. Between requests an engine core only waits on its socket, so a kill at a
+    moment picked by the clock may catch no request in flight (the kill then tests less: no
+    request needs resubmitting)."""
+    deadline = time.monotonic() + timeout
+    before = _cpu_ticks(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = _cpu_ticks(pid)
+        if now > before:
+            os.kill(pid, signal.SIGKILL)
+            return
+        before = now
+    raise AssertionError(f"engine core {pid} did no work for {timeout} s")
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -104,7 +127,7 @@ def test_two_servers_survive_a_killed_engine_and_a_killed_api_server(tiny_model,
         servers = _api_servers(tag)
         assert len(servers) == 2
         port_a, port_b = sorted(servers)
-        os.kill(_engine_core(servers[port_a], tag), signal.SIGKILL)
+        _kill_while_busy(_engine_core(servers[port_a], tag))
         # a step trained while A is down (taken out, not back yet): B carried the rollout
         run.wait_for(lambda: _metrics(tmp_path)[-1].get("rollout/restarts") == 1)
         assert "rollout/recovery_s" not in _metrics(tmp_path)[-1]
