@@ -104,6 +104,10 @@ class VLLMServer:
             "VLLM_CONFIGURE_LOGGING": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "TRIDENT_VLLM_SERVER": "1",  # trident's plugin: every vLLM process dies with its parent
+            # vLLM's process titles (setproctitle) keep /proc/PID/environ intact, so a forked
+            # engine core still shows the environment it runs with (tools find a run's
+            # processes by it, the tests by their tag)
+            "SPT_NOENV": "1",
         }
         if cpu:  # vLLM's CPU platform takes "uni" only when told its engine is not multiprocess
             self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
