@@ -65,8 +65,10 @@ def test_step0_engine_trainer_mismatch_is_small(grpo_run):
     _, _, metrics = grpo_run
     first = metrics[0]
     assert first["mismatch_abs_logp_diff_mean"] < STEP0_MEAN_ABS_DLOGP
-    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy: old == current
-    assert first["clip_fraction"] == 0.0
+    # On-policy: old == current in the first mini-batch (ratio exactly 1: with one mini-batch
+    # test_env_rl and test_agent_program assert it); the second follows one optimizer step.
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=0.05)  # measured 0.991 and 1.004
+    assert first["clip_fraction"] < 0.1  # measured 0.017
 
 
 def test_reward_and_accuracy_rise(grpo_run):
