@@ -100,7 +100,6 @@ def seconds_summary(seconds: list[float], wall: float) -> dict[str, float]:
 def bash_floor(rows: list[dict[str, Any]]) -> tuple[list[float], float]:
     """The terminal rows' setup, commands and check in a plain host bash, one process per call."""
     seconds = []
-    bash_pss = []
     for row in rows:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as work:
@@ -110,12 +109,12 @@ def bash_floor(rows: list[dict[str, Any]]) -> tuple[list[float], float]:
                 proc.communicate()
             assert proc.returncode == 0, row["prompt"]
         seconds.append(time.perf_counter() - t0)
-        sleeper = subprocess.Popen(["bash", "-c", "sleep 5"])
-        time.sleep(0.05)
-        bash_pss.append(tree_pss_mib(sleeper.pid))
-        sleeper.kill()
-        sleeper.wait()
-    return seconds, statistics.median(bash_pss)
+    sleeper = subprocess.Popen(["bash", "-c", "sleep 5"])  # one idle bash: its memory
+    time.sleep(0.05)
+    bash_pss = tree_pss_mib(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    return seconds, bash_pss
 
 
 def http_floor(rows: list[dict[str, Any]]) -> list[float]:
