@@ -101,6 +101,23 @@ def grids_for(worker, samples):
     return full, worker._gather(local, list(range(len(samples))), full.mask.shape)
 
 
+def test_first_mini_batch_logprobs_come_from_its_own_forward(make_worker, tiny_model):
+    """With only the policy to recompute, the first mini-batch's pre-step logprobs come from its
+    training forward; the per-sample mismatch they give equals a separate no-grad recompute's."""
+    worker = make_worker(
+        f"model.path={tiny_model}", "trainer.mini_batches=2", "trainer.micro_batch_tokens=64"
+    )
+    samples = make_samples(worker.tokenizer, prompts=3, n=3, seed=2)
+    from trident.train.batch import collate
+
+    full = collate(samples, worker.tokenizer.pad_token_id)
+    old = worker._recompute(full, samples)["old"]
+    expected = ((old - full.engine_logp).abs() * full.mask).sum(1) / full.mask.sum(1)
+    metrics = worker.train_step(samples)
+    mismatch = [m for _, m in metrics["per_sample"]]
+    assert mismatch == pytest.approx(expected.tolist(), rel=1e-5, abs=1e-6)
+
+
 def test_ppo_critic_learns_values(make_worker, tiny_model):
     worker = make_worker(
         f"model.path={tiny_model}",
@@ -298,7 +315,10 @@ RANKS_SCRIPT = textwrap.dedent(
 )
 
 
-def test_two_ranks_compute_what_one_rank_computes(tmp_path, make_worker, tiny_model, other_model):
+@pytest.mark.parametrize("models", ["ref_critic_teacher", "policy_only"])
+def test_two_ranks_compute_what_one_rank_computes(
+    models, tmp_path, make_worker, tiny_model, other_model
+):
     import pickle
 
     tokenizer = load_tokenizer(tiny_model)
@@ -307,15 +327,21 @@ def test_two_ranks_compute_what_one_rank_computes(tmp_path, make_worker, tiny_mo
     samples_path.write_bytes(pickle.dumps(samples))
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_SCRIPT)
+    extra = {  # policy_only: the first mini-batch's pre-step logprobs come from its training pass
+        "ref_critic_teacher": [
+            "algo.name=ppo",
+            f"model.ref_path={other_model}",
+            "algo.kl_coef=0.01",
+            "algo.kl_in_reward=true",
+            "algo.distill_coef=0.1",
+            f"model.teacher_paths.default={other_model}",
+        ],
+        "policy_only": [],
+    }[models]
     overrides = [
         *BASE,
         f"model.path={tiny_model}",
-        "algo.name=ppo",
-        f"model.ref_path={other_model}",
-        "algo.kl_coef=0.01",
-        "algo.kl_in_reward=true",
-        "algo.distill_coef=0.1",
-        f"model.teacher_paths.default={other_model}",
+        *extra,
         "trainer.mini_batches=2",
         "trainer.micro_batch_tokens=64",  # a few rows per micro-batch: counts differ by rank
     ]
@@ -331,6 +357,8 @@ def test_two_ranks_compute_what_one_rank_computes(tmp_path, make_worker, tiny_mo
     for one, two in zip(one_rank, two_ranks, strict=True):
         for key in ("loss", "value_loss", "grad_norm", "critic_grad_norm", "kl_ref",
                     "distill_kl", "explained_variance", "value_mean", "entropy"):  # fmt: skip
+            if models == "policy_only" and key not in ("loss", "grad_norm", "entropy"):
+                continue
             assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
         # each sample's [advantage, mismatch] for the lineage: the ranks' rows summed back
         flat = [[v for row in m["per_sample"] for v in row] for m in (one, two)]

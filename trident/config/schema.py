@@ -289,7 +289,7 @@ class TrainerConfig(Section):
     cpu_threads: int = Field(
         default=0,
         ge=0,
-        description="Torch CPU threads per rank, for SFT too (0 = torch's default; 1 avoids oversubscription on small machines).",
+        description="Torch CPU threads per rank on a CPU host, for SFT too. 0 = auto: the host's cores split among the processes computing at once (the ranks; in async modes the rollout servers too, since they generate while the ranks train).",
     )
     critic_lr: float = Field(
         default=1e-4, gt=0, description="Learning rate of the critic (algo.use_critic)."

@@ -28,12 +28,15 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def set_cpu_threads(n: int) -> None:
-    """Torch intra-op threads for this rank (0 = leave torch's default). On a small CPU machine
-    shared with rollout servers, oversubscribed threads spin against each other: one per rank
-    was 2-5x faster than the default in measurements here."""
-    if n > 0 and not torch.cuda.is_available():
-        torch.set_num_threads(n)
+def set_cpu_threads(n: int, sharing: int = 1) -> None:
+    """Torch intra-op threads for this rank on a CPU host: ``n`` when ``n > 0``; ``n = 0`` (auto)
+    splits this host's cores among the ``sharing`` processes that compute at the same time.
+    Oversubscribed threads spin against each other (one per rank was 2-5x faster than torch's
+    default beside busy rollout servers), while a rank alone on its cores trains ~1.4x faster
+    with all of them (demo recipe, 2 cores, sync mode: train 0.88-1.05 s vs 1.30-1.48 s)."""
+    if torch.cuda.is_available():
+        return
+    torch.set_num_threads(n or max(1, len(os.sched_getaffinity(0)) // max(1, sharing)))
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> None:

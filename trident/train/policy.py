@@ -75,6 +75,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -121,7 +122,10 @@ class PolicyWorker:
         self, cfg: TridentConfig, rank: int, world_size: int, master_addr: str, master_port: int
     ) -> None:
         fsdp.init_distributed(rank, world_size, master_addr, master_port)
-        fsdp.set_cpu_threads(cfg.trainer.cpu_threads)
+        # sync mode: the servers idle while the ranks train; otherwise they generate meanwhile
+        servers = 0 if cfg.rollout.server_urls else cfg.rollout.num_servers
+        computing = world_size + (servers if cfg.pipeline.mode != "sync" else 0)
+        fsdp.set_cpu_threads(cfg.trainer.cpu_threads, sharing=computing)
         torch.manual_seed(cfg.run.seed)
         if cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -281,32 +285,47 @@ class PolicyWorker:
         and, under ``per_sample``, each sample's [mean advantage, mean engine-vs-trainer
         |Δlogp|] over its loss tokens (for the lineage)."""
         a = self.cfg.algo
+        t0 = time.perf_counter()
         pad = self.tokenizer.pad_token_id
         full = collate(samples, pad)
         mine, chunks = self._shard(len(samples))
         batch = collate([samples[i] for i in mine], pad).to(self.device)
-        local = self._recompute(batch, [samples[i] for i in mine])
+        # With only the policy's own logprobs to recompute, the first mini-batch's come from its
+        # own forward pass, taken before any optimizer step: one forward fewer for those rows.
+        fused = self.ref is None and self.critic is None and not self.teachers
+        local = self._recompute(batch, [samples[i] for i in mine], skip=chunks[0] if fused else [])
+        t1 = time.perf_counter()
         grids = self._gather(local, mine, full.mask.shape)
         adv_all, returns_all, step_metrics = self.advantages(samples, full, grids)
-        per_sample = self._per_sample(samples, mine, full.mask, adv_all, batch, local["old"])
         width = batch.mask.shape[1]
         adv = adv_all[mine][:, :width].to(self.device)
         returns = None if returns_all is None else returns_all[mine][:, :width].to(self.device)
+        engine_mask = batch.mask.clone()  # the per-sample mismatch covers every generated token
         if a.mask_truncated:  # DAPO: truncated samples count in group statistics only
             truncated = torch.tensor(
                 [samples[i].status == "truncated" for i in mine], device=self.device
             )
             batch.mask[truncated] = 0.0
         sums: dict[str, float] = defaultdict(float)
-        for chunk in chunks:
-            self._optimizer_step(batch, chunk, adv, local, returns, sums)
+        t2 = time.perf_counter()
+        for k, chunk in enumerate(chunks):
+            self._optimizer_step(batch, chunk, adv, local, returns, sums, fill_old=fused and k == 0)
+        t3 = time.perf_counter()
+        per_sample = self._per_sample(
+            samples, mine, full.mask, adv_all, engine_mask, batch.engine_logp, local["old"]
+        )
         self.sched.step()
         if self.critic is not None:
             self.critic_sched.step()
         kl_seq = step_metrics.pop("kl_seq", None)
         if self.kl_ctl is not None and kl_seq is not None:
             self.kl_ctl.update(kl_seq, len(samples))
-        return self._reduce_metrics(sums) | step_metrics | {"per_sample": per_sample}
+        timing = {  # rank 0's; the caller's time/train_s less these is the batch's transfer
+            "time/recompute_s": t1 - t0,
+            "time/optimize_s": t3 - t2,
+            "time/rank_s": time.perf_counter() - t0,
+        }
+        return self._reduce_metrics(sums) | step_metrics | timing | {"per_sample": per_sample}
 
     def _per_sample(
         self,
@@ -314,7 +333,8 @@ class PolicyWorker:
         mine: list[int],
         full_mask: torch.Tensor,
         adv_all: torch.Tensor,
-        batch: Batch,
+        m: torch.Tensor,
+        engine_logp: torch.Tensor,
         old: torch.Tensor,
     ) -> list[list[float]]:
         """[mean advantage, mean |engine logp - trainer logp|] per sample over its loss tokens;
@@ -322,9 +342,8 @@ class PolicyWorker:
         tokens = full_mask.sum(1).clamp(min=1)
         advantage = (adv_all * full_mask).sum(1) / tokens
         gap = torch.zeros(len(samples), device=self.device)
-        m = batch.mask
         rows = torch.tensor(mine, device=self.device, dtype=torch.long)
-        gap[rows] = ((old - batch.engine_logp).abs() * m).sum(1) / m.sum(1).clamp(min=1)
+        gap[rows] = ((old - engine_logp).abs() * m).sum(1) / m.sum(1).clamp(min=1)
         if self.world > 1:
             dist.all_reduce(gap)
         return torch.stack([advantage.float().cpu(), gap.float().cpu()], 1).tolist()
@@ -359,13 +378,18 @@ class PolicyWorker:
         return out + [None] * (int(count) - len(out))
 
     @torch.no_grad()
-    def _recompute(self, batch: Batch, samples: list[Sample]) -> dict[str, torch.Tensor]:
+    def _recompute(
+        self, batch: Batch, samples: list[Sample], skip: list[int] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Per-token quantities of this rank's rows [b, T] with no gradient: ``old`` (policy
-        logprobs), ``ref``, ``values`` (critic), ``teacher`` (each row's own teacher)."""
+        logprobs), ``ref``, ``values`` (critic), ``teacher`` (each row's own teacher). Rows in
+        ``skip`` are left at zero (their ``old`` is filled by the first optimizer step)."""
         temperature = self.cfg.rollout.temperature or 1.0
         lengths = batch.attention_mask.sum(1).tolist()
+        todo = sorted(set(range(len(lengths))) - set(skip or []))
         parts: dict[str, list] = defaultdict(list)
-        for idx in self._micro_batches(lengths):
+        for part in self._micro_batches([lengths[i] for i in todo]):
+            idx = None if part is None else [todo[i] for i in part]
             mb = _select(batch, idx if idx is not None else [0])
             old = token_logprobs(self.model, mb, temperature)[0]
             values = token_values(self.critic, mb) if self.critic is not None else None
@@ -426,7 +450,10 @@ class PolicyWorker:
         local: dict[str, torch.Tensor],
         returns: torch.Tensor | None,
         sums: dict[str, float],
+        fill_old: bool = False,
     ) -> None:
+        """One optimizer step on ``rows``; ``fill_old``: their ``local["old"]`` is not computed
+        yet, and is this (pre-step) policy's logprobs from these forward passes."""
         a, tc = self.cfg.algo, self.cfg.trainer
         temperature = self.cfg.rollout.temperature or 1.0
         old_logp = local["old"]
@@ -445,6 +472,8 @@ class PolicyWorker:
             logp, entropy = token_logprobs(self.model, mb, temperature, with_entropy=True)
             assert entropy is not None  # asked for with_entropy
             mask, w = mb.mask * (0.0 if dummy else 1.0), mb.mask.shape[1]
+            if fill_old and not dummy:
+                old_logp[idx, :w] = logp.detach()
             old, advantages = old_logp[idx, :w], adv[idx, :w]
             is_w, mis = None, {}
             if a.is_level != "none":

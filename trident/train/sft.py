@@ -102,7 +102,7 @@ def _sft_rank(
 ) -> None:
     os.environ["LOCAL_RANK"] = str(rank)  # one process per device on this host (fsdp.device)
     fsdp.init_distributed(rank, world_size, "127.0.0.1", port)
-    fsdp.set_cpu_threads(cfg.trainer.cpu_threads)
+    fsdp.set_cpu_threads(cfg.trainer.cpu_threads, sharing=world_size)
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
     dtype = cfg.model.dtype
