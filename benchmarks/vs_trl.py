@@ -25,7 +25,10 @@ Each side runs as its own process, timed from its launch:
 - **s/step**: the median wall time between the ends of consecutive RL steps (everything in
   the loop: generation, reward, training, weight sync, logging);
 - trident's per-stage breakdown (its ``time/*`` metrics, mean per step): rollout (the step's
-  wait for samples), train, weight sync (push + verify), and the rest of the loop;
+  wait for samples), train, weight sync (push + verify), and the rest of the loop; inside
+  train, the logprob recompute, the optimizer steps and the rest (the batch's transfer to the
+  rank, collation, metrics); inside weight sync, write + update, the probe verification and
+  the rest (draining requests, health check, prefix-cache reset);
 - TRL's split (mean per step): generation + scoring (``_generate_and_score_completions``) vs
   the rest;
 - **held-out accuracy**: greedy answers on the 200 test prompts scored by trident's verifier,
@@ -179,6 +182,20 @@ def run_trident(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
     ends = [a - first_start for a in arrivals]
     periods = _periods(ends)
     stage["rest of the loop"] = statistics.mean(periods) - sum(stage.values())
+
+    def mean(key: str) -> float:
+        return statistics.mean(m[key] for m in rows)
+
+    parts = {  # inside the train and weight-sync stages (rank 0's timers)
+        "train: logprob recompute": mean("time/recompute_s"),
+        "train: optimizer steps": mean("time/optimize_s"),
+        "train: batch transfer, collation, metrics": mean("time/train_s") - mean("time/rank_s"),
+        "sync: write + update": mean("sync/total_s"),
+        "sync: probe verification": mean("sync/verify_s"),
+        "sync: drain, health check, cache reset": mean("time/sync_s")
+        - mean("sync/total_s")
+        - mean("sync/verify_s"),
+    }
     ckpts = {
         s: run_dir / "checkpoints" / (f"step_{s}" if s < steps else "final")
         for s in (_eval_steps(steps) if r["evaluate"] else [])
@@ -190,6 +207,7 @@ def run_trident(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
         "total_s": total,
         "response_tokens_mean": statistics.median(m["response_len_mean"] for m in rows),
         "stages": stage,
+        "parts": parts,
         "checkpoints": {s: str(p) for s, p in ckpts.items()},
     }
 
@@ -250,6 +268,10 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path) -> None:
         adam_beta2=0.999, max_grad_norm=1.0, beta=0.0, epsilon=r["clip_eps"],
         loss_type="dapo", scale_rewards="group", reward_weights=[weights["task"], weights["format"]],
         use_vllm=False, dataloader_num_workers=0,
+        # trident trains in float32 without activation checkpointing; TRL's defaults (bf16
+        # autocast, gradient checkpointing) would be another recipe, and bf16 on a CPU without
+        # bf16 instructions is emulated (measured on an AVX2-only host: 9.5 s / RL step vs 0.5 s).
+        bf16=False, gradient_checkpointing=False,
     )  # fmt: skip
     timing: dict[str, Any] = {"step_ends": [], "generate_s": [], "lengths": [], "save_s": 0.0}
 
@@ -433,6 +455,9 @@ def _markdown(res: dict[str, Any], result: dict[str, Any]) -> str:
     for name, s in sides.items():
         stages = ", ".join(f"{k} {v:.2f} s" for k, v in s["stages"].items())
         lines += ["", f"{name}, mean seconds per RL step by stage: {stages}."]
+        if "parts" in s:
+            parts = ", ".join(f"{k} {v:.2f} s" for k, v in s["parts"].items())
+            lines += ["", f"{name}, inside those stages: {parts}."]
     if r["evaluate"]:
         acc = {name: s["accuracy"] for name, s in sides.items()}
         lines += ["", "| held-out accuracy at step | " + " | ".join(acc) + " |"]
