@@ -101,9 +101,10 @@ def grids_for(worker, samples):
     return full, worker._gather(local, list(range(len(samples))), full.mask.shape)
 
 
-def test_first_mini_batch_logprobs_come_from_its_own_forward(make_worker, tiny_model):
-    """With only the policy to recompute, the first mini-batch's pre-step logprobs come from its
-    training forward; the per-sample mismatch they give equals a separate no-grad recompute's."""
+def test_fused_first_mini_batch_mismatch_equals_a_separate_recompute(make_worker, tiny_model):
+    """With only the policy to recompute, the first mini-batch's pre-step logprobs are taken from
+    its training forward; the per-sample mismatch they give equals a separate no-grad
+    recompute's (the unfused path would pass too: this checks the fused values are right)."""
     worker = make_worker(
         f"model.path={tiny_model}", "trainer.mini_batches=2", "trainer.micro_batch_tokens=64"
     )

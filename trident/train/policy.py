@@ -293,6 +293,7 @@ class PolicyWorker:
         # With only the policy's own logprobs to recompute, the first mini-batch's come from its
         # own forward pass, taken before any optimizer step: one forward fewer for those rows.
         fused = self.ref is None and self.critic is None and not self.teachers
+        t_recompute = time.perf_counter()
         local = self._recompute(batch, [samples[i] for i in mine], skip=chunks[0] if fused else [])
         t1 = time.perf_counter()
         grids = self._gather(local, mine, full.mask.shape)
@@ -321,7 +322,7 @@ class PolicyWorker:
         if self.kl_ctl is not None and kl_seq is not None:
             self.kl_ctl.update(kl_seq, len(samples))
         timing = {  # rank 0's; the caller's time/train_s less these is the batch's transfer
-            "time/recompute_s": t1 - t0,
+            "time/recompute_s": t1 - t_recompute,
             "time/optimize_s": t3 - t2,
             "time/rank_s": time.perf_counter() - t0,
         }
