@@ -112,8 +112,12 @@ def test_pool_kills_a_hung_check_and_reports_a_crash():
     """Failure injection with a fake checker: one that hangs, one whose process dies."""
     pool = CheckerPool(size=1)
     try:
-        with pytest.raises(CheckerError, match="did not finish"):
+        # warm first: a fresh worker's first call gets STARTUP_S more than its timeout
+        assert asyncio.run(pool.run(divmod, 7, 2)) == (3, 1)
+        t0 = time.monotonic()
+        with pytest.raises(CheckerError, match="did not finish in 1.0 s"):
             asyncio.run(pool.run(_hang, 3600, timeout_s=1.0))
+        assert time.monotonic() - t0 < 30  # the timeout, not the start-up allowance
         with pytest.raises(CheckerError, match="died"):
             asyncio.run(pool.run(os._exit, 3))
         with pytest.raises(CheckerError, match="ZeroDivisionError"):

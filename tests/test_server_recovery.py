@@ -34,26 +34,35 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _parent(pid: int) -> int | None:
+    """``pid``'s parent, None once ``pid`` is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 def _api_servers(tag: str) -> dict[int, int]:
-    """The run's vLLM API servers: port -> pid."""
-    out = {}
+    """The run's vLLM API servers: port -> pid. A child the API server forks (briefly, before an
+    exec) carries the same command line; the API server is the one whose parent does not."""
+    found: dict[int, list[int]] = {}
     for pid in tagged_processes(tag):
         line = _cmdline(pid).split()
         if "vllm.entrypoints.openai.api_server" in line:
-            out[int(line[line.index("--port") + 1])] = pid
+            found.setdefault(int(line[line.index("--port") + 1]), []).append(pid)
+    out = {}
+    for port, pids in found.items():
+        (out[port],) = [p for p in pids if (parent := _parent(p)) and parent not in pids]
     return out
 
 
 def _engine_core(api_server: int, tag: str) -> int:
     """The engine-core process under an API server (vLLM names it ``VLLM::EngineCore``)."""
-
-    def parent(pid: int) -> int:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-    (engine,) = [
-        p for p in tagged_processes(tag) if "EngineCore" in _cmdline(p) and parent(p) == api_server
+    cores = [
+        p for p in tagged_processes(tag) if "EngineCore" in _cmdline(p) and _parent(p) == api_server
     ]
-    return engine
+    assert len(cores) == 1, {p: (_cmdline(p)[:80], _parent(p)) for p in tagged_processes(tag)}
+    return cores[0]
 
 
 def _cpu_ticks(pid: int) -> int:
