@@ -195,6 +195,30 @@ def tagged_processes(tag: str) -> set[int]:
     return pids
 
 
+def cmdline(pid: int) -> str:
+    """``pid``'s command line, words joined by spaces; "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def parent(pid: int) -> int | None:
+    """``pid``'s parent, None once ``pid`` is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def process_table(tag: str) -> str:
+    """The run's processes, one per line (pid, parent, command line): what a failing test
+    prints so that a process it did not find explains itself."""
+    return "\n".join(
+        f"{p} <- {parent(p)}: {cmdline(p)[:160]}" for p in sorted(tagged_processes(tag))
+    )
+
+
 def wait_gone(tag: str, timeout: float = 60) -> set[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

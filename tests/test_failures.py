@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Run, start_until, tagged_env, tagged_processes, wait_gone
+from tests.conftest import (
+    REPO,
+    Run,
+    cmdline,
+    start_until,
+    tagged_env,
+    tagged_processes,
+    wait_gone,
+)
 from trident.rollout.vllm_server import ServerStartError, VLLMServer
 
 
@@ -141,13 +149,6 @@ def test_a_dropped_connection_is_retried_once(drops, answered):
 # -- a hang ---------------------------------------------------------------------------------------
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
     """A rollout server that stops answering (SIGSTOP: its requests neither finish nor fail)
     stalls the step; the watchdog dumps the stacks and stops the run with the stage that hung."""
@@ -161,7 +162,7 @@ def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
     proc = start_until(cmd, tag, lambda: metrics.exists() and metrics.read_text().count("\n") >= 1)
     server = None
     try:
-        (server,) = [p for p in tagged_processes(tag) if "vllm.entrypoints" in _cmdline(p)]
+        (server,) = [p for p in tagged_processes(tag) if "vllm.entrypoints" in cmdline(p)]
         os.kill(server, signal.SIGSTOP)
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -199,7 +200,7 @@ def test_a_dead_trainer_rank_restarts_the_run_then_stops_it_naming_it(tiny_model
     metrics = tmp_path / "r" / "metrics.jsonl"
 
     def ranks() -> list[int]:
-        return [p for p in tagged_processes(tag) if "ray::PolicyWorker" in _cmdline(p)]
+        return [p for p in tagged_processes(tag) if "ray::PolicyWorker" in cmdline(p)]
 
     def steps() -> list[int]:
         lines = metrics.read_text().splitlines() if metrics.exists() else []
