@@ -52,8 +52,9 @@ def _sft(model: str, run_dir: Path, *overrides: str, configs: tuple[Path, ...] =
     from trident.config import load_config
     from trident.train.sft import run_sft
 
-    base = [f"model.path={model}", f"run.dir={run_dir}", "run.name=sft"]
-    base += ["trainer.cpu_threads=1", "telemetry.progress=false"]
+    # every core (trainer.cpu_threads=0, auto): ~20% faster than one thread here, and the same
+    # checkpoint byte for byte (checked: the demo's config, and 384-token browser demonstrations)
+    base = [f"model.path={model}", f"run.dir={run_dir}", "run.name=sft", "telemetry.progress=false"]
     return str(run_sft(load_config(list(configs), [*base, *overrides])))
 
 
