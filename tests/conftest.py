@@ -220,6 +220,36 @@ def process_table(tag: str) -> str:
     )
 
 
+def engine_core(tag: str, run_dir: Path, port: int | None = None, timeout: float = 60) -> int:
+    """The engine core of a run's (``run.name=r``) vLLM server on ``port`` (None: the only one),
+    by the pid vLLM logs it under: the last ``(EngineCore pid=N)`` of the server's log (which a
+    restarted server appends to), once that process is alive. Looked up by title and parent in
+    ``/proc`` instead, it went unfound twice in full-suite runs, never alone. Waits for a server
+    being restarted (its API server imports for ~20 s first); past ``timeout`` the failure
+    lists every process of the run and the servers' log tails."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for log in run_dir.glob("r/logs/vllm_server_*.log"):
+            text = log.read_text(errors="replace")
+            if port is not None and f"'port': {port}," not in text:
+                continue
+            cores = re.findall(r"^\(EngineCore pid=(\d+)\)", text, re.M)
+            if cores and cmdline(int(cores[-1])):  # "" once it is gone (or a zombie)
+                return int(cores[-1])
+        if time.monotonic() > deadline:
+            from trident.rollout.vllm_server import log_tail
+
+            logs = "\n".join(
+                f"--- {log.name}\n{log_tail(log, 15)}"
+                for log in sorted(run_dir.glob("r/logs/*.log"))
+            )
+            raise AssertionError(
+                f"no live engine core in the log of the server on port {port}; the run's "
+                f"processes:\n{process_table(tag)}\n{logs}"
+            )
+        time.sleep(0.5)
+
+
 def wait_gone(tag: str, timeout: float = 60) -> set[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -20,6 +20,7 @@ from tests.conftest import (
     REPO,
     Run,
     cmdline,
+    engine_core,
     start_until,
     tagged_env,
     tagged_processes,
@@ -150,10 +151,13 @@ def test_a_dropped_connection_is_retried_once(drops, answered):
 
 
 def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
-    """A rollout server that stops answering (SIGSTOP: its requests neither finish nor fail)
-    stalls the step; the watchdog dumps the stacks and stops the run with the stage that hung."""
+    """A rollout server whose engine stops (SIGSTOP of its engine core: its API server still
+    answers ``/health``, its requests neither finish nor fail) stalls the step; the watchdog
+    dumps the stacks and stops the run with the stage that hung. (A stopped API server is
+    caught by the health check before the next weight sync and restarted instead, which on a
+    fast host is back before the hang timeout: test_server_recovery.)"""
     tag = uuid.uuid4().hex
-    # no health check: a stopped server would be taken out and restarted (test_server_recovery)
+    # no periodic health check: it would not see this hang anyway (/health answers)
     cmd = _train_cmd(
         tiny_model, tmp_path, "run.hang_timeout_s=20", "rollout.request_timeout_s=900",
         "rollout.health_check_s=0",
@@ -162,7 +166,7 @@ def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
     proc = start_until(cmd, tag, lambda: metrics.exists() and metrics.read_text().count("\n") >= 1)
     server = None
     try:
-        (server,) = [p for p in tagged_processes(tag) if "vllm.entrypoints" in cmdline(p)]
+        server = engine_core(tag, tmp_path)
         os.kill(server, signal.SIGSTOP)
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -173,13 +177,9 @@ def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
             proc.kill()
     assert proc.returncode == 2, out[-3000:]
     last = out.strip().splitlines()[-1]
-    # the server stopped in the middle of a request: generation, or the next weight sync; or
-    # the sync's health check took it out and its restart outlasted the timeout
+    # the engine stopped in the middle of generation or before the next weight sync
     assert "no step progress" in last, last
-    stage = (
-        r"stage '(generate' on rollout http://|weight sync' on trainer|restart' on rollout http://)"
-    )
-    assert re.search(stage, last), last
+    assert re.search(r"stage '(generate' on rollout http://|weight sync' on trainer)", last), last
     (hang,) = (tmp_path / "r").glob("hang-*")
     driver = (hang / "driver.txt").read_text()
     assert "asyncio tasks" in driver and "trident/pipeline" in driver  # where the driver waits

@@ -15,8 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.conftest import Run, cmdline, parent, process_table, tagged_processes, wait_gone
-from trident.rollout.vllm_server import log_tail
+from tests.conftest import Run, cmdline, engine_core, parent, tagged_processes, wait_gone
 from trident.telemetry.lineage import read_samples
 
 
@@ -41,39 +40,6 @@ def _api_servers(tag: str) -> dict[int, int]:
     for port, pids in found.items():
         (out[port],) = [p for p in pids if (ppid := parent(p)) and ppid not in pids]
     return out
-
-
-def _children(pid: int) -> list[int]:
-    """``pid``'s child processes (by their parent, not by the run's tag)."""
-    return [
-        int(e.name)
-        for e in Path("/proc").iterdir()
-        if e.name.isdigit() and parent(int(e.name)) == pid
-    ]
-
-
-def _engine_core(tag: str, run_dir: Path, port: int | None = None, timeout: float = 60) -> int:
-    """The engine core (vLLM titles it ``VLLM::EngineCore``) under the API server on ``port``
-    (None: the only one). A server the run is restarting has none for a while (its API server
-    imports for ~20 s first); past ``timeout`` the failure lists every process of the run and
-    the servers' log tails."""
-    deadline = time.monotonic() + timeout
-    while True:
-        servers = _api_servers(tag)
-        server = servers.get(port) if port is not None else next(iter(servers.values()), None)
-        cores = [p for p in _children(server) if "EngineCore" in cmdline(p)] if server else []
-        if len(cores) == 1:
-            return cores[0]
-        if time.monotonic() > deadline:
-            logs = "\n".join(
-                f"--- {log.name}\n{log_tail(log, 15)}"
-                for log in sorted(run_dir.glob("r/logs/*.log"))
-            )
-            raise AssertionError(
-                f"{len(cores)} engine cores under API server {server} (servers: {servers}); "
-                f"the run's processes:\n{process_table(tag)}\n{logs}"
-            )
-        time.sleep(0.5)
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -147,7 +113,7 @@ def test_two_servers_survive_a_killed_engine_and_a_killed_api_server(tiny_model,
         servers = _api_servers(tag)
         assert len(servers) == 2
         port_a, port_b = sorted(servers)
-        _kill_while_busy(_engine_core(tag, tmp_path, port_a))
+        _kill_while_busy(engine_core(tag, tmp_path, port_a))
         # a step trained while A is down (taken out, not back yet): B carried the rollout
         run.wait_for(lambda: _metrics(tmp_path)[-1].get("rollout/restarts") == 1)
         assert "rollout/recovery_s" not in _metrics(tmp_path)[-1]
@@ -180,7 +146,7 @@ def test_one_server_killed_twice_the_steps_wait_for_its_restarts(tiny_model, tmp
         (pid,) = _api_servers(tag).values()
         os.kill(pid, signal.SIGKILL)
         run.wait_for(lambda: "rollout/recovery_s" in _metrics(tmp_path)[-1])
-        os.kill(_engine_core(tag, tmp_path), signal.SIGKILL)
+        os.kill(engine_core(tag, tmp_path), signal.SIGKILL)
     finally:
         out = run.finish()
     assert run.proc.returncode == 0, out[-3000:]
@@ -200,7 +166,7 @@ def test_a_server_that_dies_too_often_stops_the_run_with_its_log(tiny_model, tmp
     run = Run(cmd, tag, tmp_path)
     try:
         run.wait_for(lambda: len(_metrics(tmp_path)) >= 1)
-        os.kill(_engine_core(tag, tmp_path), signal.SIGKILL)
+        os.kill(engine_core(tag, tmp_path), signal.SIGKILL)
     finally:
         out = run.finish(timeout=300)
     assert run.proc.returncode == 2, out[-3000:]
