@@ -164,15 +164,15 @@ def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
     )  # fmt: skip
     metrics = tmp_path / "r" / "metrics.jsonl"
     proc = start_until(cmd, tag, lambda: metrics.exists() and metrics.read_text().count("\n") >= 1)
-    server = None
+    engine = None
     try:
-        server = engine_core(tag, tmp_path)
-        os.kill(server, signal.SIGSTOP)
+        engine = engine_core(tag, tmp_path)
+        os.kill(engine, signal.SIGSTOP)
         out, _ = proc.communicate(timeout=300)
     finally:
-        if server is not None:
+        if engine is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(server, signal.SIGCONT)
+                os.kill(engine, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 2, out[-3000:]

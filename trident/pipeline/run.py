@@ -18,7 +18,6 @@ import ray
 from trident.cluster.placement import plan_for, reserve
 from trident.cluster.ray_cluster import init_ray
 from trident.config import TridentConfig, save_config
-from trident.models.load import load_tokenizer
 from trident.pipeline import checkpoint, colocate_async, separate_async, sync
 from trident.pipeline.harness import RunHarness, RunTrainer
 from trident.pipeline.recovery import Fleet
@@ -81,7 +80,7 @@ def _run_once(cfg: TridentConfig) -> dict[str, Any]:
             # a GPU: vLLM sizes its KV cache from the memory free while it profiles.
             _start(
                 stack, trainer, fleet, together=plan.mode != "colocated",
-                meanwhile=lambda: load_tokenizer(cfg.model.path),
+                meanwhile=_import_transformers,
             )  # fmt: skip
             if fleet is not None:
                 router = fleet.router
@@ -110,8 +109,7 @@ def _start(
     each took (start-up is most of a short run's time: a user should see where it goes).
 
     ``meanwhile`` runs once the parts are launched (``together``; else once the first is): the
-    driver's own start-up (the harness's tokenizer, i.e. importing transformers: ~6 s on 2
-    cores) then overlaps the actors' instead of following it."""
+    driver's own start-up then overlaps the actors' instead of following it."""
     parts: list[tuple[str, RolloutFleet | TrainerGroup]] = [
         (f"{trainer.cfg.trainer.num_ranks} trainer rank(s)", trainer)
     ]
@@ -131,6 +129,12 @@ def _start(
         meanwhile()
         for what, part in sorted(parts, key=lambda p: p[1] is fleet):  # the trainer: sooner
             _ready(what, part, launched[what])
+
+
+def _import_transformers() -> None:
+    """Import what ``RunHarness`` loads its tokenizer with (transformers' tokenizer classes:
+    ~6 s on 2 cores), so that the harness finds it imported."""
+    from transformers import AutoTokenizer  # noqa: F401
 
 
 def _ready(what: str, part: RolloutFleet | TrainerGroup, launched: float) -> None:
