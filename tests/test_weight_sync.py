@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -64,6 +65,43 @@ def test_write_bucket_checksums_the_bytes_written(tmp_path: Path) -> None:
     file = sync_module.write_bucket([("a", embed), ("b", embed)], tmp_path / "b.safetensors")
     data = Path(file.path).read_bytes()
     assert file.checksum == checksum(data) and file.nbytes == len(data)
+
+
+def test_write_bucket_rewrites_a_file_in_place_as_safetensors(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    path = tmp_path / "b.safetensors"
+    first = {"w": torch.randn(5, 3), "h": torch.randn(7).bfloat16(), "s": torch.tensor(2)}
+    sync_module.write_bucket(list(first.items()), path)
+    inode = path.stat().st_ino
+    second = {"w": torch.randn(5, 3), "h": torch.randn(7).bfloat16(), "s": torch.tensor(3)}
+    file = sync_module.write_bucket(list(second.items()), path)
+    assert path.stat().st_ino == inode  # the same file (its pages reused), not a new one
+    loaded = load_file(path)  # the safetensors library reads it back exactly
+    assert loaded.keys() == second.keys()
+    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in second.items())
+    smaller = sync_module.write_bucket([("w", torch.randn(2))], path)
+    assert path.stat().st_size == smaller.nbytes < file.nbytes  # no stale tail
+    assert load_file(path)["w"].shape == (2,)
+
+
+def test_bucket_files_of_a_dead_sender_are_removed(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    orphan = tmp_path / f"trident-weights-{dead.stdout.strip()}-abcd1234-b0.safetensors"
+    alive = tmp_path / f"trident-weights-{os.getpid()}-abcd1234-b0.safetensors"
+    other = tmp_path / "unrelated.safetensors"
+    for path in (orphan, alive, other):
+        path.write_bytes(b"x")
+    sync_module._remove_orphans(tmp_path)  # what WeightSync.init does first
+    assert not orphan.exists() and alive.exists() and other.exists()
 
 
 def test_make_probe_is_fixed_and_avoids_special_tokens(checkpoint: str) -> None:
@@ -230,6 +268,25 @@ def test_skipped_sync_is_detected(
     with pytest.raises(WeightSyncError, match="probe check failed") as err:
         weight_sync.verify(probe, expected, version, TOLERANCE)
     assert url in str(err.value) and "max |Δlogp|" in str(err.value)
+
+
+def test_the_next_syncs_files_do_not_reach_the_served_weights_and_close_removes_them(
+    url: str, checkpoint: str, probe: list[int], tmp_path: Path
+) -> None:
+    """The sender rewrites the same bucket files at every sync: the engine must have copied
+    what it applied, not kept reading the files."""
+    sync = WeightSync([url], bucket_bytes=BUCKET_BYTES, shm_dir=tmp_path)
+    sync.init()
+    version, expected = sync_to(sync, perturbed(checkpoint, seed=11), probe)
+    files = sorted(tmp_path.glob("trident-weights-*.safetensors"))
+    assert len(files) >= 3
+    for path in files:  # what a later sync would do to them, minus the update itself
+        path.write_bytes(b"\x7f" * path.stat().st_size)
+    sync.verify(probe, expected, version, TOLERANCE)  # still the weights of `version`
+    version, expected = sync_to(sync, perturbed(checkpoint, seed=12), probe)
+    assert sorted(tmp_path.glob("trident-weights-*.safetensors")) == files  # reused by name
+    sync.close()
+    assert not list(tmp_path.glob("trident-weights-*"))
 
 
 def test_corrupted_bucket_is_refused_and_leaves_weights_unchanged(

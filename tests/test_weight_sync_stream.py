@@ -188,7 +188,9 @@ def test_fan_out_to_two_servers_leaves_both_verified(
     assert metrics["num_buckets"] >= 3 and metrics["delta"] == 0.0
     assert metrics["max_abs_dlogp"] < TOLERANCE  # the maximum over both servers
     assert [served_version(u) for u in urls] == ["1", "1"]
-    assert sync.held == dict.fromkeys(urls, (1, trainer.checksum()))
+    # Without deltas or rejoins, nothing needs the weights' checksum: the files' checksums
+    # alone check a full sync, and the sender does not hash the weights a second time.
+    assert sync.held == dict.fromkeys(urls, (1, ""))
 
 
 def test_after_k_delta_syncs_engines_hold_the_trainers_weights(

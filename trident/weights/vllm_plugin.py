@@ -37,13 +37,14 @@ update session when ``update_weights`` raises but leaves it open when ``finish``
 With ``keep_base`` (the trainer's ``sync.delta``) the engine keeps the last applied weights in
 the trainer's layout, on CPU, as the base for the next delta: vLLM repacks its own parameters
 (fused qkv, CPU-packed linears), so a delta cannot be applied to them. That is one more copy of
-the model for as long as the server runs (after a full update: its mapped files, shared by the
-host's servers; tensors rebuilt from deltas are each server's own).
+the model for as long as the server runs (a copy of a full update's tensors, or the tensors
+rebuilt from deltas).
 
-Staging copies nothing: the staged tensors are views of the mapped bucket files, whose pages
-outlive the trainer's deletion of the files until the update is applied, so an update's bytes
-sit in shared memory once, however many servers on the host read them (a copy per server and two
-deserializing copies per bucket before). The trainer never writes a file after naming it.
+Staging copies nothing: the staged tensors are views of the mapped bucket files, so an update's
+bytes sit in shared memory once, however many servers on the host read them. The trainer
+rewrites the same files at its next sync, after every server has applied this one or given it
+up: nothing here reads a file after its update (vLLM's loaders copy what they load, and the
+delta base is a copy).
 
 Simplifications: the name/shape check needs the checkpoint as a local directory of safetensors
 files (a hub id skips it, and a bad shape then fails inside the load, which may leave the layers
@@ -79,7 +80,7 @@ def checksum(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
     return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_128_hexdigest(data)}"
 
 
-_DTYPES = {
+DTYPES = {  # safetensors' dtype names -> torch's
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
     "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }  # fmt: skip
@@ -123,7 +124,7 @@ def safetensors_views(mapped: mmap.mmap | bytearray) -> tuple[dict[str, str], di
         metadata = header.pop("__metadata__", None) or {}
         tensors: dict[str, Any] = {}
         for name, info in header.items():
-            dtype = getattr(torch, _DTYPES[info["dtype"]])
+            dtype = getattr(torch, DTYPES[info["dtype"]])
             start, end = info["data_offsets"]
             shape = info["shape"]
             count = math.prod(shape)
@@ -320,13 +321,15 @@ def _build_engine_class() -> type:
                 self._check_base(update_info)
                 tensors = self._reconstruct(metadata, tensors, update_info)
             self._check_names(tensors, update_info)
-            self._weights.update_bucket(list(tensors.items()))
+            if update_info.kind == "delta":  # a full bucket's bytes are its file's, checked above
+                self._weights.update_bucket(list(tensors.items()))
             self._staged.extend(tensors.items())
             self._buckets += 1
             self._read_s += time.perf_counter() - t0
             if update_info.final:
-                got = self._weights.hexdigest()
-                if update_info.weights_checksum and got != update_info.weights_checksum:
+                full = update_info.kind == "full"
+                got = update_info.weights_checksum if full else self._weights.hexdigest()
+                if got != update_info.weights_checksum:
                     raise ValueError(
                         f"weights checksum mismatch after {self._buckets} bucket(s) "
                         f"({update_info.kind}): trainer sent {update_info.weights_checksum}, "
@@ -334,8 +337,9 @@ def _build_engine_class() -> type:
                     )
                 self._apply()
                 if self._keep_base:
-                    staged = dict(self._applied_tensors)
-                    full = update_info.kind == "full"
+                    # A full update's tensors are views of the trainer's files, which the next
+                    # sync overwrites: the base is a copy. A delta's are this engine's own.
+                    staged = {n: t.clone() if full else t for n, t in self._applied_tensors}
                     self._base = staged if full or self._base is None else self._base | staged
                     self._base_key = (update_info.version, got)
                 self._applied_tensors = []
