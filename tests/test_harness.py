@@ -88,7 +88,11 @@ def test_sync_and_separate_async_at_eta_zero_train_the_same_samples(tiny_model, 
                 with TrainerGroup(cfg) as group:
                     trainer = RecordingTrainer(group)
                     asyncio.run(run(cfg, fleet.router, trainer, log))
+                    sender = group.pids["trainer_rank0"]
+                    assert list(Path("/dev/shm").glob(f"trident-weights-{sender}-*"))
                 log.close()
+                # the group's exit had rank 0 delete its bucket files before killing it
+                assert not list(Path("/dev/shm").glob(f"trident-weights-{sender}-*"))
                 trained[cfg.pipeline.mode] = trainer.steps
                 metrics[cfg.pipeline.mode] = read_metrics(cfg.derived.run_dir)
     finally:

@@ -289,6 +289,42 @@ def test_the_next_syncs_files_do_not_reach_the_served_weights_and_close_removes_
     assert not list(tmp_path.glob("trident-weights-*"))
 
 
+def test_the_kept_copy_is_updated_in_place_and_a_failed_push_voids_it(
+    url: str, checkpoint: str, probe: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``keep_served`` (what a restarted server is brought back to) is copied into the same
+    tensors at every sync; a push that fails midway leaves it mixed, so ``rejoin`` must refuse
+    until the next push succeeds."""
+    sync = WeightSync([url], bucket_bytes=BUCKET_BYTES, keep_served=True)
+    sync.init()
+    try:
+        sync_to(sync, perturbed(checkpoint, seed=21), probe)
+        assert sync._base is not None
+        storage = {n: t.data_ptr() for n, t in sync._base.items()}
+        model = perturbed(checkpoint, seed=22)
+        version, expected = sync_to(sync, model, probe)
+        assert {n: t.data_ptr() for n, t in sync._base.items()} == storage  # in place
+        assert all(torch.equal(sync._base[n], t) for n, t in model.state_dict().items())
+        sync.rejoin(url, probe, expected, TOLERANCE)  # the kept copy is that version
+
+        def fail_on_bucket_1(bucket, path):
+            if path.name.endswith("-b1.safetensors"):
+                raise OSError("no space left on device")
+            return real_write(bucket, path)
+
+        real_write = sync_module.write_bucket
+        monkeypatch.setattr(sync_module, "write_bucket", fail_on_bucket_1)
+        with pytest.raises(WeightSyncError, match="no space left"):
+            sync.push(hf_named_tensors(perturbed(checkpoint, seed=23), False), version + 1)
+        monkeypatch.undo()
+        with pytest.raises(WeightSyncError, match="holding a whole version: False"):
+            sync.rejoin(url, probe, expected, TOLERANCE)
+        version, expected = sync_to(sync, model, probe)  # the next push restores it
+        sync.rejoin(url, probe, expected, TOLERANCE)
+    finally:
+        sync.close()
+
+
 def test_corrupted_bucket_is_refused_and_leaves_weights_unchanged(
     url: str,
     weight_sync: WeightSync,

@@ -25,6 +25,7 @@ from trident.sample import Sample
 from trident.train.policy import PolicyWorker
 
 START_TIMEOUT_S = 600.0
+RELEASE_TIMEOUT_S = 2.0  # what a rank gets to delete its files at exit, before it is killed
 
 
 class TrainerStartError(RuntimeError):
@@ -154,6 +155,11 @@ class TrainerGroup(AbstractContextManager):
         await self._all("load_state", str(ckpt_dir))
 
     def __exit__(self, *exc: object) -> None:
+        # Each rank first deletes its bucket files in /dev/shm; one still busy or hung in a call
+        # after the wait is killed as it is (the next run on its host deletes them).
+        if self.workers:
+            released = [w.release.remote() for w in self.workers]
+            ray.wait(released, num_returns=len(released), timeout=RELEASE_TIMEOUT_S)
         for w in self.workers:
             ray.kill(w)
         self.workers = []

@@ -678,9 +678,13 @@ class PolicyWorker:
         self._prompt_ids = extra["prompt_ids"]
         torch.set_rng_state(extra["torch_rng"])
 
-    def shutdown(self) -> None:
+    def release(self) -> None:
+        """Delete what this rank keeps outside its process: the weight sync's bucket files."""
         if self.sync is not None:
             self.sync.close()
+
+    def shutdown(self) -> None:
+        self.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
