@@ -6,7 +6,8 @@ In one run, on this machine (targets from reference/peers-mechanisms.md §2.3 an
 2. **Full sync into real vLLM servers** (fp32, every push verified by the probe), per model:
    ``gathered`` (the old path: ``fsdp.full_state_dict`` on rank 0, then push), ``streamed``
    (each bucket gathered from the FSDP2 shards just before it is sent, double-buffered) and,
-   on the ~150 M model, ``streamed`` fanned out to 1, 2 and 4 servers at once. Peak sender
+   on the ~150 M model, ``streamed`` fanned out to 1, 2 and 4 servers at once; every sender
+   keeps a copy of what it served (``keep_served``, as runs do for restarted servers). Peak sender
    memory is the process's resident set sampled every 2 ms during the push, above what it held
    before. Target: sync bandwidth (model bytes / push seconds) >= 50% of the copy.
 3. **Delta payloads**: AdamW (lr 1e-5 and 1e-6, betas 0.9/0.999, no weight decay) on an fp32
@@ -133,7 +134,10 @@ def full_syncs(
     rows = []
     version = 0
     plans = [("gathered", 1), ("streamed", 1)] + [("streamed", n) for n in fan_out if n > 1]
-    syncs = {n: WeightSync([s.url for s in servers[:n]], bucket_bytes=bucket) for n in fan_out}
+    syncs = {  # keep_served: what `trident train` runs with (rollout.max_restarts > 0)
+        n: WeightSync([s.url for s in servers[:n]], bucket_bytes=bucket, keep_served=True)
+        for n in fan_out
+    }
     for s in syncs.values():
         s.init()
     for mode, n in plans:
@@ -164,7 +168,7 @@ def full_syncs(
             "full_state_dict_s": gather_s,
             "gbps": model_bytes / total / 1e9,
             "peak_extra_mb": mem.extra_mb,
-            **{k: pushed[k] for k in ("num_buckets", "gather_s", "write_s", "update_s")},
+            **{k: pushed[k] for k in ("num_buckets", "gather_s", "write_s", "keep_s", "update_s")},
             **{k: pushed[k] for k in ("pause_s", "finish_s", "resume_s")},
             "max_abs_dlogp": verified["max_abs_dlogp"],
             **server_breakdown(servers[0].log_path),
@@ -284,15 +288,16 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         "Every sync below was verified by the probe on every server.",
         "",
         "| model | mode | servers | bucket MB | seconds | GB/s | % of copy | peak extra MB "
-        "| write s | update s | engine read s | engine load s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| write s | keep s | update s | engine read s | engine load s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["full_sync"]:
         lines.append(
             f"| {r['model']} ({r['model_mb']:.0f} MB) | {r['mode']} | {r['servers']} "
             f"| {r['bucket_mb']:.0f} | {r['seconds']:.2f} | {r['gbps']:.2f} "
             f"| {r['gbps'] / result['memcpy_gbps']:.0%} | {r['peak_extra_mb']:.0f} "
-            f"| {r['write_s']:.2f} | {r['update_s']:.2f} | {r.get('engine_read_s', 0):.2f} "
+            f"| {r['write_s']:.2f} | {r['keep_s']:.2f} | {r['update_s']:.2f} "
+            f"| {r.get('engine_read_s', 0):.2f} "
             f"| {r.get('engine_load_s', 0):.2f} |"
         )
     lines += ["", "| model | sync | seconds | MB sent | max abs dlogp |", "|---|---|---|---|---|"]
