@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import math
 import os
@@ -216,8 +217,8 @@ def _write_safetensors(
 
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)
-    chunks = [len(text).to_bytes(8, "little") + text]
-    chunks += [t.reshape(-1).view(torch.uint8).numpy() for _, t in tensors if t.numel()]
+    chunks = [memoryview(len(text).to_bytes(8, "little") + text)]
+    chunks += [t.reshape(-1).view(torch.uint8).numpy().data for _, t in tensors if t.numel()]
     total = len(chunks[0]) + data_bytes
     digest = xxhash.xxh3_128()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -227,7 +228,7 @@ def _write_safetensors(
         position = 0
         for chunk in chunks:
             digest.update(chunk)
-            view = memoryview(chunk).cast("B")
+            view = chunk
             while view:  # one pwrite moves at most ~2 GiB
                 written = os.pwrite(fd, view, position)
                 view, position = view[written:], position + written
@@ -962,8 +963,9 @@ def _remove_orphans(directory: Path) -> None:
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
-            path.unlink(missing_ok=True)
-        except (ValueError, PermissionError):  # not ours to judge
+            with contextlib.suppress(OSError):  # another user's, or already gone
+                path.unlink()
+        except (ValueError, PermissionError):  # alive, or not ours to judge
             continue
 
 
