@@ -381,8 +381,10 @@ def test_wrong_tensor_is_refused_or_caught_by_the_probe(
     sync_to(weight_sync, model, probe)
 
 
-class FailingUpdates(BaseHTTPRequestHandler):
-    """A fake server that accepts every control call but fails ``/update_weights``."""
+class FailingRoute(BaseHTTPRequestHandler):
+    """A fake server that accepts every control call but fails the one at ``failing``."""
+
+    failing = "/update_weights"
 
     def _reply(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -394,7 +396,7 @@ class FailingUpdates(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if self.path == "/update_weights":
+        if self.path == self.failing:
             self._reply(500, {"error": "injected failure"})
         else:
             self._reply(200, {})
@@ -403,22 +405,28 @@ class FailingUpdates(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.parametrize("route", ["/start_weight_update", "/update_weights"])
 def test_failure_on_one_server_aborts_the_update_on_all(
-    url: str, weight_sync: WeightSync, checkpoint: str, probe: list[int]
+    route: str, url: str, weight_sync: WeightSync, checkpoint: str, probe: list[int]
 ) -> None:
+    """A server that fails a step, even the first, leaves no update session open on the
+    others: the next push to them goes through (it used to find the one the failed push had
+    started still open when a server died between pause and start)."""
     version, expected = sync_to(weight_sync, perturbed(checkpoint, seed=8), probe)
-    fake = ThreadingHTTPServer(("127.0.0.1", 0), FailingUpdates)
+    handler = type("Failing", (FailingRoute,), {"failing": route})
+    fake = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=fake.serve_forever, daemon=True).start()
     fake_url = f"http://127.0.0.1:{fake.server_address[1]}"
     try:
         both = WeightSync([url, fake_url], bucket_bytes=BUCKET_BYTES, timeout_s=60)
         both.init()
-        with pytest.raises(WeightSyncError, match="update_weights") as err:
+        with pytest.raises(WeightSyncError, match=route) as err:
             both.push(hf_named_tensors(perturbed(checkpoint, seed=9), False), version + 1)
         assert fake_url in str(err.value) and "injected failure" in str(err.value)
     finally:
         fake.shutdown()
-    # The real server staged bucket 0, was aborted and resumed: old weights, old version.
+    # The real server was aborted (having staged bucket 0, or nothing) and resumed: old weights,
+    # old version.
     weight_sync.verify(probe, expected, version, TOLERANCE)
     sync_to(weight_sync, perturbed(checkpoint, seed=10), probe)
 

@@ -527,12 +527,14 @@ class WeightSync:
             try:
                 with _timed(m, "pause_s"):
                     await self._each("pause", lambda url: engines[url].pause())
+                # Set before: when one server fails to start, the others have started and
+                # must be closed (an abort reaching a server with no session fails harmlessly).
+                started = True
                 with _timed(m, "start_s"):
                     await self._each(
                         "start_weight_update",
                         lambda url: _post(http, url, "/start_weight_update"),
                     )
-                started = True
                 end = await self._send_buckets(http, stream, version, is_delta, keep, m)
                 with _timed(m, "finish_s"):
                     await self._each(
