@@ -265,10 +265,11 @@ def tagged_env(tag: str) -> dict[str, str]:
 
 
 def start_until(
-    cmd: list[str], tag: str, ready: Callable[[], bool], timeout: float = 600
+    cmd: list[str], tag: str, ready: Callable[[], bool], timeout: float = 600, poll: float = 0.2
 ) -> subprocess.Popen:
-    """Start ``cmd`` (tagged, output captured) and return it once ``ready()``; a process that
-    exits or takes longer first fails the test with its output."""
+    """Start ``cmd`` (tagged, output captured) and return it once ``ready()`` (asked every
+    ``poll`` seconds); a process that exits or takes longer first fails the test with its
+    output."""
     proc = subprocess.Popen(
         cmd, env=tagged_env(tag), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         cwd=REPO,
@@ -278,7 +279,7 @@ def start_until(
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise AssertionError((proc.communicate()[0] or "")[-3000:] or "not ready in time")
-        time.sleep(0.2)
+        time.sleep(poll)
     return proc
 
 

@@ -15,6 +15,8 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
+
 from tests.conftest import Run, cmdline, engine_core, parent, tagged_processes, wait_gone
 from trident.telemetry.lineage import read_samples
 
@@ -42,26 +44,24 @@ def _api_servers(tag: str) -> dict[int, int]:
     return out
 
 
-def _cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
-
-
-def _kill_while_busy(pid: int, timeout: float = 120) -> None:
-    """SIGKILL ``pid`` (an engine core) in the middle of work: right after its CPU time moved
-    within 20 ms. Between requests an engine core only waits on its socket, so a kill at a
-    moment picked by the clock may catch no request in flight (the kill then tests less: no
-    request needs resubmitting)."""
+def _kill_with_requests_in_flight(port: int, pid: int, timeout: float = 120) -> None:
+    """SIGKILL ``pid`` (the engine core or the API server of the server on ``port``) while at
+    least 2 requests are in flight on it, by vLLM's ``/load`` (the run's servers track it:
+    ``--enable-server-load-tracking``). A sync's probe is one request, so 2 are at least one
+    generation request. A kill picked by the clock or by CPU time can land in a weight sync,
+    with generation paused and nothing to resubmit: on a fast host the first work after an idle
+    spell is the sync that follows a step."""
     deadline = time.monotonic() + timeout
-    before = _cpu_ticks(pid)
     while time.monotonic() < deadline:
-        time.sleep(0.02)
-        now = _cpu_ticks(pid)
-        if now > before:
+        try:
+            load = httpx.get(f"http://127.0.0.1:{port}/load", timeout=1).json()["server_load"]
+        except httpx.HTTPError:
+            load = 0  # restarting
+        if load >= 2:
             os.kill(pid, signal.SIGKILL)
             return
-        before = now
-    raise AssertionError(f"engine core {pid} did no work for {timeout} s")
+        time.sleep(0.005)
+    raise AssertionError(f"server on port {port} had no generation in flight for {timeout} s")
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -106,6 +106,7 @@ def test_two_servers_survive_a_killed_engine_and_a_killed_api_server(tiny_model,
     cmd = _cmd(
         tiny_model, tmp_path, "pipeline.mode=separate_async", "pipeline.max_staleness=1",
         "rollout.num_servers=2", "pipeline.steps=500",
+        "rollout.extra_server_args=[--enable-server-load-tracking]",
     )  # fmt: skip
     run = Run(cmd, tag, tmp_path)
     try:
@@ -113,11 +114,11 @@ def test_two_servers_survive_a_killed_engine_and_a_killed_api_server(tiny_model,
         servers = _api_servers(tag)
         assert len(servers) == 2
         port_a, port_b = sorted(servers)
-        _kill_while_busy(engine_core(tag, tmp_path, port_a))
+        _kill_with_requests_in_flight(port_a, engine_core(tag, tmp_path, port_a))
         # a step trained while A is down (taken out, not back yet): B carried the rollout
         run.wait_for(lambda: _metrics(tmp_path)[-1].get("rollout/restarts") == 1)
         assert "rollout/recovery_s" not in _metrics(tmp_path)[-1]
-        os.kill(_api_servers(tag)[port_b], signal.SIGKILL)
+        _kill_with_requests_in_flight(port_b, _api_servers(tag)[port_b])
         run.wait_for(lambda: run.output.count("is back at weight version") == 2)
         # both rejoin the router: later steps train samples from both (the first steps after
         # may still be all the first one's, generated ahead while the other was starting)
