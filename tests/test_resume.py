@@ -58,10 +58,11 @@ def _run(cmd: list[str], tag: str) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def _kill_when(cmd: list[str], tag: str, ready, poll: float = 0.2) -> None:
-    """Start ``cmd``; SIGKILL the driver as soon as ``ready()`` (asked every ``poll`` s); no
-    process may be left."""
-    proc = start_until(cmd, tag, ready, poll=poll)
+def _kill_when(cmd: list[str], tag: str, ready) -> None:
+    """Start ``cmd``; SIGKILL the driver as soon as ``ready()``; no process may be left.
+    ``ready()`` is asked every 5 ms: a tiny-model checkpoint is written in ~80 ms, and asked
+    every 0.2 s the sync test missed all three after step N in one fresh clone."""
+    proc = start_until(cmd, tag, ready, poll=0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     # Ray's reaper, and the servers' death signals (every vLLM process), clean up
@@ -76,16 +77,15 @@ def _story(run_dir: Path) -> list[tuple[int, str, bool, int, float | None]]:
 
 
 def _resumed_and_whole(
-    mode: str, model: str, url: str, tmp_path: Path, *extra: str, killed_when=None, poll=0.2
+    mode: str, model: str, url: str, tmp_path: Path, *extra: str, killed_when=None
 ) -> tuple[Path, Path]:
     """The uninterrupted run and the killed-and-resumed one (``extra``: the latter's own
-    overrides; ``killed_when``: when to kill it, by default once step N's checkpoint is done,
-    asked every ``poll`` s)."""
+    overrides; ``killed_when``: when to kill it, by default once step N's checkpoint is done)."""
     tag = uuid.uuid4().hex
     _run(_cmd(model, url, tmp_path, "whole", mode), tag)
     cmd = _cmd(model, url, tmp_path, "killed", mode, *extra)
     manifest = tmp_path / "killed" / "checkpoints" / f"step_{N}" / "manifest.json"
-    _kill_when(cmd, tag, killed_when or manifest.exists, poll)
+    _kill_when(cmd, tag, killed_when or manifest.exists)
     assert not (tmp_path / "killed" / "checkpoints" / "final").exists()
     _run([*cmd, "--resume"], tag)
     return tmp_path / "killed", tmp_path / "whole"
@@ -107,12 +107,9 @@ def test_sync_resume_equals_an_uninterrupted_run(demo_sft_model, demo_server, tm
             return bool(half_written)
         return False
 
-    # A checkpoint of the tiny model is written in ~80 ms here: look every 5 ms, not every 0.2 s
-    # (which missed all three checkpoints after step N in one fresh clone).
     resumed, whole = _resumed_and_whole(
-        "sync", demo_sft_model, demo_server, tmp_path, "checkpoint.every=1",
-        killed_when=kill_now, poll=0.005,
-    )  # fmt: skip
+        "sync", demo_sft_model, demo_server, tmp_path, "checkpoint.every=1", killed_when=kill_now
+    )
     assert half_written
     assert not any(ckpts.glob(".tmp-*"))  # cleared by the resume
     assert json.loads((ckpts / "final" / "manifest.json").read_text())["step"] == 2 * N
