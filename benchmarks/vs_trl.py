@@ -15,8 +15,11 @@ token-mean PPO-clip loss (TRL's ``loss_type="dapo"``), group-normalised advantag
   240), so responses have RL's long tail; up to 256 new tokens, 6 steps, timing only.
 
 TRL gets the prompts already rendered by trident's chat template (so the tokens are the same)
-and trident's own reward functions; it generates with HF ``generate`` (no vLLM: TRL's vLLM
-path needs CUDA) and uses every core for one process, as its users run it on a CPU box.
+and trident's own reward functions; on a CPU box it generates with HF ``generate`` (TRL's vLLM
+path needs CUDA) and uses every core for one process, as its users run it there. On a GPU box
+(``torch.cuda.is_available()``) both sides take one GPU in bf16: trident colocated (trainer and
+engine share the device, NCCL sync, as ``scripts/gpu_check``), TRL with its vLLM colocate mode,
+each engine at 40% of the GPU's memory.
 
 Each side runs as its own process, timed from its launch:
 
@@ -24,13 +27,14 @@ Each side runs as its own process, timed from its launch:
   server and the trainer for trident; imports, model and dataset for TRL);
 - **s/step**: the median wall time between the ends of consecutive RL steps (everything in
   the loop: generation, reward, training, weight sync, logging);
-- trident's per-stage breakdown (its ``time/*`` metrics, mean per step): rollout (the step's
-  wait for samples), train, weight sync (push + verify), and the rest of the loop; inside
-  train, the logprob recompute, the optimizer steps and the rest (the batch's transfer to the
-  rank, collation, metrics); inside weight sync, write + update, the probe verification and
-  the rest (draining requests, health check, prefix-cache reset);
-- TRL's split (mean per step): generation + scoring (``_generate_and_score_completions``) vs
-  the rest;
+- trident's per-stage breakdown (its ``time/*`` metrics, mean per step after the first
+  ``WARMUP``): rollout (the step's wait for samples), train, weight sync (push + verify), and
+  the rest of the loop; inside train, the logprob recompute, the optimizer steps and the rest
+  (the batch's transfer to the rank, collation, metrics); inside weight sync, write + update,
+  the probe verification and the rest (draining requests, health check, prefix-cache reset);
+- the train stage's floor: the same token grids trained in plain PyTorch (``train_floor``);
+- TRL's split (mean per step after the first ``WARMUP``): generation + scoring
+  (``_generate_and_score_completions``) vs the rest;
 - **held-out accuracy**: greedy answers on the 200 test prompts scored by trident's verifier,
   the same HF-``generate`` evaluation of both sides' saved weights, every 5 steps; and the
   training time (sum of step times) until it first reaches ``--target``.
@@ -63,11 +67,19 @@ from trident.data.loaders import load_split
 from trident.data.tasks import get_task
 from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, prompt_messages
 from trident.rewards import format_reward
+from trident.train.batch import micro_batches
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 RECIPE = REPO / "configs" / "demo.yaml"
 EVAL_EVERY = 5
+WARMUP = 3  # steps left out of the stage means and the floor (allocator warm-up, first compiles)
+GPU = torch.cuda.is_available()
+# trident on one GPU: the settings of scripts/gpu_check (bf16 leaves the probe a wider tolerance).
+TRIDENT_GPU = [
+    "model.dtype=bfloat16", "cluster.placement=colocated", "sync.backend=nccl",
+    "rollout.gpu_memory_utilization=0.4", "sync.tolerance=0.1",
+]  # fmt: skip
 
 
 # -- shared: the recipe, the prompts, the evaluation ---------------------------------------------
@@ -93,6 +105,7 @@ def recipe(name: str) -> dict[str, Any]:
         "lr": cfg.trainer.lr,
         "warmup_steps": cfg.trainer.warmup_steps,
         "mini_batches": cfg.trainer.mini_batches,
+        "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
         "clip_eps": cfg.algo.clip_eps_low,
         "reward_weights": {f.name: f.weight for f in cfg.reward.fns},
     }
@@ -156,6 +169,7 @@ def run_trident(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
         sys.executable, "-m", "trident.cli", "train", "-c", str(RECIPE), f"model.path={model}",
         f"run.dir={work}", f"run.name={name}", "run.overwrite=true", f"pipeline.steps={steps}",
         "eval.before_after=false", "telemetry.progress=false", *r["overrides"],
+        *(TRIDENT_GPU if GPU else []),
     ]  # fmt: skip
     if r["evaluate"]:
         cmd += [f"checkpoint.every={EVAL_EVERY}", f"checkpoint.keep_last={steps // EVAL_EVERY + 1}"]
@@ -174,17 +188,16 @@ def run_trident(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
         raise SystemExit(f"trident train failed; see {work / f'{name}.log'}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     first_start = arrivals[0] - rows[0]["time/step_s"]
-    stage = {
-        "rollout": statistics.mean(m["time/wait_s"] for m in rows),
-        "train": statistics.mean(m["time/train_s"] for m in rows),
-        "weight sync": statistics.mean(m["time/sync_s"] for m in rows),
-    }
     ends = [a - first_start for a in arrivals]
     periods = _periods(ends)
-    stage["rest of the loop"] = statistics.mean(periods) - sum(stage.values())
+    steady = rows[WARMUP:]
 
     def mean(key: str) -> float:
-        return statistics.mean(m[key] for m in rows)
+        return statistics.mean(m[key] for m in steady)
+
+    stage = {"rollout": mean("time/wait_s"), "train": mean("time/train_s")}
+    stage["weight sync"] = mean("time/sync_s")
+    stage["rest of the loop"] = statistics.mean(periods[WARMUP:]) - sum(stage.values())
 
     parts = {  # inside the train and weight-sync stages (rank 0's timers)
         "train: logprob recompute": mean("time/recompute_s"),
@@ -210,6 +223,74 @@ def run_trident(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
         "parts": parts,
         "checkpoints": {s: str(p) for s, p in ckpts.items()},
     }
+
+
+def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float]:
+    """What the train stage costs in plain PyTorch, on this host, for the token grids trident's
+    run trained (rebuilt from its sample log: each row's prompt tokens + response tokens, the
+    recipe's mini-batches ``samples[k::M]``, each split into micro-batches as trident's trainer
+    splits it, ``micro_batches`` by ``trainer.micro_batch_tokens``): the no-grad forward of the
+    mini-batches after the first (their pre-step logprobs), then per mini-batch the forward and
+    backward of each micro-batch and one AdamW step, with the loss -Σ A·logp / tokens. One
+    process, no FSDP, no ratio, clipping or metrics: a floor any trainer of this model pays for
+    these token grids. Median over the run's steps after the first ``WARMUP``."""
+    import pyarrow.parquet as pq
+
+    device = torch.device("cuda" if GPU else "cpu")
+    net = load_causal_lm(model, "bfloat16" if GPU else "float32", device)
+    tok = load_tokenizer(model)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-6)  # a tiny lr: the weights barely move
+    vocab = net.config.vocab_size
+    prompt_len: dict[str, int] = {}
+    recompute, optimize = [], []
+    for step in range(WARMUP, r["steps"]):
+        rows = pq.read_table(run_dir / "samples" / f"step_{step}.parquet").to_pylist()
+        lengths = []
+        for row in rows:
+            if row["prompt"] not in prompt_len:
+                ids = encode_chat(tok, prompt_messages(row["prompt"]))
+                prompt_len[row["prompt"]] = len(ids)
+            lengths.append(prompt_len[row["prompt"]] + row["response_tokens"])
+        grids: list[list[tuple[torch.Tensor, ...]]] = []  # [mini-batch][micro-batch]
+        for k in range(r["mini_batches"]):
+            part = lengths[k :: r["mini_batches"]]
+            grids.append([])
+            for idx in micro_batches(part, r["micro_batch_tokens"]):
+                widths = torch.tensor([part[i] for i in idx])
+                ids = torch.randint(0, vocab, (len(idx), int(widths.max())))
+                attn = (torch.arange(ids.shape[1])[None, :] < widths[:, None]).long()
+                adv = torch.randn(len(idx), ids.shape[1] - 1)
+                grids[-1].append((ids.to(device), attn.to(device), adv.to(device)))
+
+        def logp(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+            logits = net(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+            return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+        _synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for ids, attn, _ in itertools.chain(*grids[1:]):
+                logp(ids, attn)
+        _synchronize()
+        t1 = time.perf_counter()
+        for mini in grids:
+            tokens = sum(float(attn[:, 1:].sum()) for _, attn, _ in mini)
+            for ids, attn, adv in mini:
+                (-(logp(ids, attn) * adv * attn[:, 1:]).sum() / tokens).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        _synchronize()
+        recompute.append(t1 - t0)
+        optimize.append(time.perf_counter() - t1)
+    return {
+        "train floor: recompute": statistics.median(recompute),
+        "train floor: forward + backward + AdamW": statistics.median(optimize),
+    }
+
+
+def _synchronize() -> None:
+    if GPU:
+        torch.cuda.synchronize()
 
 
 def _lines(path: Path) -> int:
@@ -257,8 +338,27 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path) -> None:
         return [format_reward(c) for c in completions]
 
     per_rl_step = r["prompts_per_step"] * r["n"]
+    if GPU:  # TRL's vLLM colocate mode runs its engine in this process's torch.distributed group
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+    # On CPU: float32 without activation checkpointing, as trident trains; TRL's defaults (bf16
+    # autocast, gradient checkpointing) would be another recipe, and bf16 on a CPU without bf16
+    # instructions is emulated (measured on an AVX2-only host: 9.5 s / RL step vs 0.5 s). On a
+    # GPU: bf16 and TRL's vLLM, as trident's side.
+    device: dict[str, Any] = (
+        {
+            "use_vllm": True,
+            "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": 0.4,
+            "bf16": True,
+        }
+        if GPU
+        else {"use_cpu": True, "use_vllm": False, "bf16": False}
+    )
     config = GRPOConfig(
-        output_dir=str(saves), use_cpu=True, report_to="none", save_strategy="no",
+        output_dir=str(saves), report_to="none", save_strategy="no",
         logging_steps=1, max_steps=steps * r["mini_batches"], seed=0, disable_tqdm=True,
         per_device_train_batch_size=per_rl_step // r["mini_batches"],
         steps_per_generation=r["mini_batches"], num_generations=r["n"], num_iterations=1,
@@ -267,11 +367,7 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path) -> None:
         warmup_steps=r["warmup_steps"] * r["mini_batches"], weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.999, max_grad_norm=1.0, beta=0.0, epsilon=r["clip_eps"],
         loss_type="dapo", scale_rewards="group", reward_weights=[weights["task"], weights["format"]],
-        use_vllm=False, dataloader_num_workers=0,
-        # trident trains in float32 without activation checkpointing; TRL's defaults (bf16
-        # autocast, gradient checkpointing) would be another recipe, and bf16 on a CPU without
-        # bf16 instructions is emulated (measured on an AVX2-only host: 9.5 s / RL step vs 0.5 s).
-        bf16=False, gradient_checkpointing=False,
+        dataloader_num_workers=0, gradient_checkpointing=False, **device,
     )  # fmt: skip
     timing: dict[str, Any] = {"step_ends": [], "generate_s": [], "lengths": [], "save_s": 0.0}
 
@@ -308,13 +404,14 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path) -> None:
     trainer.train()
     ends = timing["step_ends"]
     periods = _periods(ends)
+    generate = timing["generate_s"][WARMUP:]  # one per RL step
     result = {
         "first_step_s": timing["first_step_s"],
         "step_s": statistics.median(periods),
         "step_ends": ends,
         "stages": {
-            "generation + scoring": statistics.mean(timing["generate_s"]),
-            "rest of the step": statistics.mean(periods) - statistics.mean(timing["generate_s"]),
+            "generation + scoring": statistics.mean(generate),
+            "rest of the step": statistics.mean(periods[WARMUP:]) - statistics.mean(generate),
         },
         "response_tokens_mean": statistics.median(timing["lengths"]),
         "checkpoints": {
@@ -396,6 +493,7 @@ def main() -> None:
         r = recipe(name)
         model = demo_sft if name == "demo" else long_warmed_up_model(work, demo_sft)
         sides = {"trident": run_trident(model, work, r), "TRL": run_trl(model, work, r)}
+        sides["trident"]["floor"] = train_floor(model, work / f"trident-{name}", r)
         res: dict[str, Any] = {"recipe": r, "model": model, "sides": sides}
         if r["evaluate"]:
             test = rendered_rows(model, "test")
@@ -454,10 +552,20 @@ def _markdown(res: dict[str, Any], result: dict[str, Any]) -> str:
     lines[-1] += ", ".join(f"{k} **{v:.2f}×**" for k, v in res["ratios"].items()) + "."
     for name, s in sides.items():
         stages = ", ".join(f"{k} {v:.2f} s" for k, v in s["stages"].items())
-        lines += ["", f"{name}, mean seconds per RL step by stage: {stages}."]
+        lines += [
+            "",
+            f"{name}, mean seconds per RL step after the first {WARMUP}, by stage: {stages}.",
+        ]
         if "parts" in s:
             parts = ", ".join(f"{k} {v:.2f} s" for k, v in s["parts"].items())
             lines += ["", f"{name}, inside those stages: {parts}."]
+        if "floor" in s:
+            floor = ", ".join(f"{k.split(': ')[1]} {v:.2f} s" for k, v in s["floor"].items())
+            lines += [
+                "",
+                f"The train stage's floor, plain PyTorch in one process on the token grids "
+                f"{name} trained (no FSDP, no loss terms beyond A·logp, no metrics): {floor}.",
+            ]
     if r["evaluate"]:
         acc = {name: s["accuracy"] for name, s in sides.items()}
         lines += ["", "| held-out accuracy at step | " + " | ".join(acc) + " |"]
