@@ -67,6 +67,7 @@ from trident.data.loaders import load_split
 from trident.data.tasks import get_task
 from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, prompt_messages
 from trident.rewards import format_reward
+from trident.telemetry.lineage import read_samples
 from trident.train.batch import micro_batches
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,8 +235,6 @@ def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float
     backward of each micro-batch and one AdamW step, with the loss -Σ A·logp / tokens. One
     process, no FSDP, no ratio, clipping or metrics: a floor any trainer of this model pays for
     these token grids. Median over the run's steps after the first ``WARMUP``."""
-    import pyarrow.parquet as pq
-
     device = torch.device("cuda" if GPU else "cpu")
     net = load_causal_lm(model, "bfloat16" if GPU else "float32", device)
     tok = load_tokenizer(model)
@@ -244,9 +243,8 @@ def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float
     prompt_len: dict[str, int] = {}
     recompute, optimize = [], []
     for step in range(WARMUP, r["steps"]):
-        rows = pq.read_table(run_dir / "samples" / f"step_{step}.parquet").to_pylist()
         lengths = []
-        for row in rows:
+        for row in read_samples(run_dir, step):
             if row["prompt"] not in prompt_len:
                 ids = encode_chat(tok, prompt_messages(row["prompt"]))
                 prompt_len[row["prompt"]] = len(ids)
@@ -339,10 +337,11 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path) -> None:
 
     per_rl_step = r["prompts_per_step"] * r["n"]
     if GPU:  # TRL's vLLM colocate mode runs its engine in this process's torch.distributed group
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        for key, value in {
+            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531",
+        }.items():  # fmt: skip
             os.environ.setdefault(key, value)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29531")
     # On CPU: float32 without activation checkpointing, as trident trains; TRL's defaults (bf16
     # autocast, gradient checkpointing) would be another recipe, and bf16 on a CPU without bf16
     # instructions is emulated (measured on an AVX2-only host: 9.5 s / RL step vs 0.5 s). On a
