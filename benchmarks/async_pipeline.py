@@ -58,7 +58,7 @@ from trident.pipeline.buffer import GroupTicket, RolloutBuffer
 from trident.pipeline.colocate_async import run_colocate
 from trident.pipeline.gate import WeightGate
 from trident.pipeline.metrics import RolloutStats, pipeline_summary
-from trident.pipeline.separate_async import PartialRollout, Progress, run_separate
+from trident.pipeline.separate_async import PartialRollout, PartialResponse, run_separate
 from trident.rollout.engine import Completion, SamplingParams
 from trident.sample import Sample
 from trident.telemetry.trace import Trace
@@ -355,7 +355,7 @@ def sim_group_maker(
             partial = PartialRollout(fleet, gate, trace, stats)
 
             async def one(prompt: list[int]) -> tuple[Completion, list[int], int]:
-                progress = Progress()
+                progress = PartialResponse()
                 out = await partial.sample(prompt, params, progress)
                 return out, progress.versions, progress.resumes
 

@@ -21,7 +21,7 @@ from tests.conftest import REPO
 from trident.pipeline.buffer import GroupTicket, RolloutBuffer, StalenessError
 from trident.pipeline.gate import WeightGate
 from trident.pipeline.metrics import RolloutStats
-from trident.pipeline.separate_async import PartialRollout, Progress, run_separate
+from trident.pipeline.separate_async import PartialRollout, PartialResponse, run_separate
 from trident.pipeline.sync import run_sync
 from trident.rollout.engine import EngineError, SamplingParams
 from trident.sample import Sample
@@ -356,7 +356,7 @@ def test_partial_rollout_tags_each_segment_with_its_version() -> None:
         trainer = SimTrainer(fleet, timing)
         gate = WeightGate(fleet)
         partial = PartialRollout(fleet, gate, Trace(), RolloutStats())
-        progress = Progress()
+        progress = PartialResponse()
         sample = partial.sample([0] * 8, SamplingParams(max_tokens=300), progress)
         task = asyncio.create_task(sample)
         for version in (1, 2):
@@ -391,7 +391,7 @@ def test_a_dropped_connection_resumes_from_what_came_back() -> None:
         fleet = SimFleet([server])
         stats = RolloutStats()
         partial = PartialRollout(fleet, WeightGate(fleet), Trace(), stats)
-        completion = await partial.sample([0] * 8, SamplingParams(max_tokens=100), Progress())
+        completion = await partial.sample([0] * 8, SamplingParams(max_tokens=100), PartialResponse())
         return len(completion.token_ids), stats
 
     length, stats = run_virtual(body(2))

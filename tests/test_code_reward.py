@@ -11,7 +11,7 @@ import pytest
 
 from tests.test_sandbox import start_service
 from tests.test_sandbox_security import SLACK_S
-from trident.rewards import RewardModel, resolve
+from trident.rewards import RewardSum, resolve
 from trident.rewards.code import code_reward, extract_program
 from trident.sandbox import InfraError
 from trident.sandbox.bwrap import BwrapConfig, BwrapSandbox
@@ -110,7 +110,7 @@ def test_broken_sandbox_raises_infra_error_never_zero():
     with pytest.raises(InfraError):
         asyncio.run(code_reward(fenced("print(1)"), tests=ADD_TESTS, sandbox=broken))
     # Through the reward layer: the sample is marked infra_error, not scored.
-    model = RewardModel([(resolve("code"), 1.0)], timeout_s=60)
+    model = RewardSum([(resolve("code"), 1.0)], timeout_s=60)
     row = {"tests": DOUBLE, "sandbox": broken}
     assert asyncio.run(model.score(fenced("print(1)"), row)) == (None, "infra_error")
 

@@ -181,10 +181,10 @@ def test_gsm8k_and_math_rows_load_with_their_reference_answers(tmp_path):
 
 
 def test_rows_score_with_the_math_reward(tmp_path):
-    from trident.rewards import RewardModel, resolve
+    from trident.rewards import RewardSum, resolve
 
     rows = load_rows(write_jsonl(GSM8K, tmp_path / "gsm8k.jsonl"))
-    model = RewardModel([(resolve("math"), 1.0)], timeout_s=10.0)
+    model = RewardSum([(resolve("math"), 1.0)], timeout_s=10.0)
     assert asyncio.run(model.score("... so 1000 dollars.", rows[1])) == (1.0, "ok")
     assert asyncio.run(model.score("\\boxed{13}", rows[0])) == (0.0, "ok")
 

@@ -10,13 +10,13 @@ import time
 import pytest
 
 from tests.conftest import run_cli
-from trident.rewards import RewardModel, resolve
+from trident.rewards import RewardSum, resolve
 from trident.rewards.math import extract_math_answer, math_reward
 from trident.rewards.pool import CheckerError, CheckerPool
 from trident.telemetry.metrics import read_metrics
 
 
-def score_in_thread(model: RewardModel, response: str, row: dict) -> tuple:
+def score_in_thread(model: RewardSum, response: str, row: dict) -> tuple:
     """``model.score`` on an event loop in a worker thread: where rewards run in training."""
     out = []
     thread = threading.Thread(target=lambda: out.append(asyncio.run(model.score(response, row))))
@@ -79,13 +79,13 @@ def test_no_reference_is_not_applicable():
 def test_scored_off_the_main_thread():
     """The issue's reproduction: from a worker thread's event loop, as training calls it (it was
     ``(None, 'infra_error')`` for every sample while math-verify used ``signal.alarm``)."""
-    model = RewardModel([(resolve("math"), 1.0)], 5.0)
+    model = RewardSum([(resolve("math"), 1.0)], 5.0)
     assert score_in_thread(model, "The answer is \\boxed{42}", {"answer": "42"}) == (1.0, "ok")
     assert score_in_thread(model, "The answer is \\boxed{41}", {"answer": "42"}) == (0.0, "ok")
 
 
 def test_adversarial_responses_are_scored_within_the_timeout():
-    model = RewardModel([(resolve("math"), 1.0)], timeout_s=10.0)
+    model = RewardSum([(resolve("math"), 1.0)], timeout_s=10.0)
     megabyte = "blah " * 200_000
     assert score_in_thread(model, megabyte + "\\boxed{42}", {"answer": "42"}) == (1.0, "ok")
     assert score_in_thread(model, megabyte + " 41", {"answer": "42"}) == (0.0, "ok")
@@ -98,7 +98,7 @@ def test_adversarial_responses_are_scored_within_the_timeout():
 def test_a_pathological_expression_is_an_infra_error_and_the_pool_recovers():
     """10^(10^10) makes sympy build a 10-billion-digit integer, in C: no signal stops it. The
     worker process is killed at the reward timeout; the sample is infra_error, not 0.0."""
-    model = RewardModel([(resolve("math"), 1.0)], timeout_s=3.0)
+    model = RewardSum([(resolve("math"), 1.0)], timeout_s=3.0)
     row = {"answer": "42"}
     assert score_in_thread(model, "\\boxed{10^{10^{10}}}", row) == (None, "infra_error")
     assert score_in_thread(model, "\\boxed{42}", row) == (1.0, "ok")  # a fresh worker
@@ -136,7 +136,7 @@ def test_cancellation_by_the_reward_timeout_kills_the_worker():
         return await pool.run(_hang, 3600)
 
     try:
-        model = RewardModel([(hanging_reward, 1.0)], timeout_s=1.0)
+        model = RewardSum([(hanging_reward, 1.0)], timeout_s=1.0)
         assert score_in_thread(model, "x", {}) == (None, "infra_error")
         assert not pool._idle and pool._busy == 0  # the hung worker was killed, not kept
         assert asyncio.run(pool.run(divmod, 7, 2)) == (3, 1)

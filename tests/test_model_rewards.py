@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from trident.rewards import RewardModel, resolve
+from trident.rewards import RewardSum, resolve
 from trident.rewards.judge import JudgeError, parse_verdict
 
 
@@ -74,7 +74,7 @@ def test_reward_model_scores_in_batches_weighted_with_a_rule(classifier, ray_ins
     rows = [{"prompt": f"{a}+{a}", "answer": str(2 * a)} for a in (11, 23, 35, 47, 59)]
     responses = ["Answer: 22", "23 and 23 make 46", "= 70", "I think 94", "Answer: 1"]
     rm = resolve("reward_model", {"path": classifier, "batch_size": 4, "timeout_s": 120})
-    model = RewardModel([(rm, 0.5), (resolve("math"), 1.0)], timeout_s=10.0)
+    model = RewardSum([(rm, 0.5), (resolve("math"), 1.0)], timeout_s=10.0)
 
     async def score_all():
         return await asyncio.gather(
@@ -93,7 +93,7 @@ def test_reward_model_scores_in_batches_weighted_with_a_rule(classifier, ray_ins
 
 def test_reward_model_that_cannot_load_is_an_infra_error(tmp_path, ray_instance):
     rm = resolve("reward_model", {"path": str(tmp_path / "missing"), "timeout_s": 60})
-    model = RewardModel([(rm, 1.0)], timeout_s=10.0)
+    model = RewardSum([(rm, 1.0)], timeout_s=10.0)
     assert asyncio.run(model.score("Answer: 1", {"prompt": "1+0"})) == (None, "infra_error")
 
 
@@ -115,7 +115,7 @@ def test_judge_verdict_through_a_vllm_server(judge_server):
         "judge",
         {"url": judge_server, "template": "{a}+{b}", "verdict": r"Answer:\s*(\d+)", "scale": 100},
     )
-    model = RewardModel([(judge, 1.0), (resolve("format"), 0.5)], timeout_s=10.0)
+    model = RewardSum([(judge, 1.0), (resolve("format"), 0.5)], timeout_s=10.0)
 
     async def score_all():
         cases = [("Answer: 42", "30", "12"), ("66", "45", "21")]
@@ -128,4 +128,4 @@ def test_judge_verdict_through_a_vllm_server(judge_server):
         (pytest.approx(0.66), "ok"),
     ]
     dead = resolve("judge", {"url": "http://127.0.0.1:9", "template": "{response}"})
-    assert asyncio.run(RewardModel([(dead, 1.0)], 10.0).score("x", {})) == (None, "infra_error")
+    assert asyncio.run(RewardSum([(dead, 1.0)], 10.0).score("x", {})) == (None, "infra_error")

@@ -14,7 +14,7 @@ from tests.conftest import run_cli
 from trident.config import load_config
 from trident.data.cli import register, task_names
 from trident.data.loaders import load_split
-from trident.rewards import RewardModel
+from trident.rewards import RewardSum
 
 COMPOSITE = {
     "datasets": [
@@ -63,7 +63,7 @@ def test_gym_task_rows_splits_and_scores(name, kwargs, answer_in):
     assert system["role"] == "system" and "<answer>" in system["content"]  # its answer format
     assert user == {"role": "user", "content": train[0]["entry"]["question"]}
 
-    rewards = RewardModel.from_config(cfg.reward)
+    rewards = RewardSum.from_config(cfg.reward)
 
     async def scores(rows, respond):
         return await asyncio.gather(*(rewards.score(respond(r), r) for r in rows))
@@ -89,7 +89,7 @@ def test_a_burst_of_checks_is_not_timed_out_waiting_for_a_worker():
     125 of 1000 eval scores were infra_error on a cold pool before)."""
     cfg = load_config([], [*_data_overrides("chain_sum", {}), "reward.timeout_s=0.5"])
     rows = load_split(cfg.data, "train", seed=1) * 10  # 400 checks of ms each on 2-8 workers
-    rewards = RewardModel.from_config(cfg.reward)
+    rewards = RewardSum.from_config(cfg.reward)
 
     async def burst():
         return await asyncio.gather(
@@ -102,7 +102,7 @@ def test_a_burst_of_checks_is_not_timed_out_waiting_for_a_worker():
 def test_reasoning_gym_reward_by_name_and_not_applicable_elsewhere():
     cfg = load_config([], [*_data_overrides("chain_sum", {}), "reward.fns=[{name: reasoning_gym}]"])
     row = load_split(cfg.data, "test")[0]
-    model = RewardModel.from_config(cfg.reward)
+    model = RewardSum.from_config(cfg.reward)
     assert asyncio.run(model.score(f"<answer>{row['answer']}</answer>", row)) == (1.0, "ok")
     # An arithmetic-task row is not a reasoning-gym row: not applicable, not a zero.
     assert asyncio.run(model.score("Answer: 3", {"task": "arithmetic", "answer": "3"})) == (

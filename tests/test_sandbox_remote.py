@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from trident.rewards import RewardModel
+from trident.rewards import RewardSum
 from trident.rewards.code import code_reward
 from trident.sandbox import InfraError, SandboxResult, make_sandbox
 from trident.sandbox.sandboxfusion import SandboxFusionSandbox
@@ -282,7 +282,7 @@ def test_code_reward_through_sandboxfusion(fusion, stand_in):
     stand_in.faults[:] = ["500"] * 50  # the service is down: infra_error, never a zero
     with pytest.raises(InfraError):
         asyncio.run(code_reward(response, tests=cases, sandbox=fusion))
-    model = RewardModel([(code_reward, 1.0)], timeout_s=30.0)
+    model = RewardSum([(code_reward, 1.0)], timeout_s=30.0)
     row = {"tests": cases, "sandbox": fusion}
     assert asyncio.run(model.score(response, row)) == (None, "infra_error")
 

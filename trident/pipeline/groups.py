@@ -26,7 +26,7 @@ from trident.config.schema import RolloutConfig
 from trident.data.loaders import load_split
 from trident.envs import AGENT_PROGRAM, env_rows, get_spec
 from trident.models.load import encode_chat, prompt_messages
-from trident.rewards import RewardModel
+from trident.rewards import RewardSum
 from trident.rollout.engine import RolloutEngine, SamplingParams
 from trident.sample import Sample
 
@@ -108,7 +108,7 @@ async def generate_group(
     return samples
 
 
-async def score(samples: list[Sample], rewards: RewardModel) -> None:
+async def score(samples: list[Sample], rewards: RewardSum) -> None:
     """Fill ``reward`` (and ``status`` on infrastructure failure) for each sample, concurrently."""
 
     async def one(s: Sample) -> None:
@@ -144,10 +144,10 @@ class GroupRollout:
     """One prompt row -> one scored group of ``rollout.n`` Samples (see the module docstring)."""
 
     def __init__(
-        self, cfg: TridentConfig, tokenizer: Any, rewards: RewardModel | None = None
+        self, cfg: TridentConfig, tokenizer: Any, rewards: RewardSum | None = None
     ) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.rewards = rewards or RewardModel.from_config(cfg.reward)
+        self.rewards = rewards or RewardSum.from_config(cfg.reward)
         self.params = sampling_params(cfg.rollout)
         self.env = cfg.env.name
         self.agent = agent_config(cfg) if self.env else None

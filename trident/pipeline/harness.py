@@ -59,7 +59,7 @@ from trident.pipeline.metrics import (
     trained_metrics,
 )
 from trident.pipeline.progress import StepProgress
-from trident.pipeline.recovery import Fleet, Rejoiner, ServerRecovery
+from trident.pipeline.recovery import ServerRestarter, Rejoiner, ServerRecovery
 from trident.pipeline.stages import GroupMaker, Schedule, Trainer
 from trident.pipeline.watchdog import Watchdog
 from trident.rollout.engine import EngineError, FinishReason, RolloutEngine, SamplingParams
@@ -90,7 +90,7 @@ class RunTrainer(Trainer, Rejoiner, Protocol):
 
 
 @dataclass
-class Progress:
+class PartialResponse:
     """One response so far (``separate_async.PartialRollout``): what a checkpoint keeps of a
     request in flight."""
 
@@ -109,7 +109,7 @@ class InFlight:
     ticket: GroupTicket
     row: dict
     group_id: str
-    progress: list[Progress] = field(default_factory=list)  # per sample, when streamed
+    progress: list[PartialResponse] = field(default_factory=list)  # per sample, when streamed
 
 
 DISCARD_REASONS = ("infra_error", "untrainable", "no_signal")
@@ -129,7 +129,7 @@ class RunHarness:
         trainer: RunTrainer,
         log: MetricsLogger,
         pids: dict[str, int] | None = None,
-        fleet: Fleet | None = None,
+        fleet: ServerRestarter | None = None,
     ) -> None:
         """``fleet``: what restarts a dead rollout server (without one, a dead server stops the
         run)."""

@@ -50,7 +50,7 @@ class ServerDiedError(RuntimeError):
     """A rollout server died and could not be brought back (or did so too often)."""
 
 
-class Fleet(Protocol):
+class ServerRestarter(Protocol):
     """The rollout servers' owner (``trident.rollout.fleet.RolloutFleet``)."""
 
     nodes: dict[str, str]  # each server's url -> the Ray node it runs on
@@ -79,7 +79,7 @@ class ServerRecovery:
         router: Router,
         gate: WeightGate,
         trainer: Rejoiner,
-        fleet: Fleet,
+        fleet: ServerRestarter,
         max_restarts: int,
         health_check_s: float,
         trace: Trace | None = None,

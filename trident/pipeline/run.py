@@ -20,7 +20,7 @@ from trident.cluster.ray_cluster import init_ray
 from trident.config import TridentConfig, save_config
 from trident.pipeline import checkpoint, colocate_async, separate_async, sync
 from trident.pipeline.harness import RunHarness, RunTrainer
-from trident.pipeline.recovery import Fleet
+from trident.pipeline.recovery import ServerRestarter
 from trident.rollout.fleet import RolloutFleet, attach
 from trident.rollout.router import Router
 from trident.telemetry.metrics import MetricsLogger
@@ -160,7 +160,7 @@ async def run(
     log: MetricsLogger,
     resume_from: Path | None = None,
     pids: dict[str, int] | None = None,
-    fleet: Fleet | None = None,
+    fleet: ServerRestarter | None = None,
 ) -> dict[str, Any]:
     """The run on servers and a trainer that are up: begin (from ``resume_from``, a
     checkpoint, when given), the schedule, finish; all under the hang watchdog (``pids``: the

@@ -47,7 +47,7 @@ from dataclasses import replace
 
 from trident.pipeline.buffer import GroupTicket, RolloutBuffer
 from trident.pipeline.gate import Server, ServerPool, WeightGate
-from trident.pipeline.harness import Progress, RunHarness
+from trident.pipeline.harness import PartialResponse, RunHarness
 from trident.pipeline.metrics import RolloutStats
 from trident.pipeline.stages import (
     GroupMaker,
@@ -148,16 +148,16 @@ class PartialRollout:
         gate: WeightGate,
         trace: Trace,
         stats: RolloutStats,
-        progress: list[Progress] | None = None,
+        progress: list[PartialResponse] | None = None,
     ) -> None:
         self.servers, self.gate, self.trace, self.stats = servers, gate, trace, stats
-        self.progress: list[Progress] = progress if progress is not None else []
+        self.progress: list[PartialResponse] = progress if progress is not None else []
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None
     ) -> list[Completion]:
         if not self.progress:  # in place: the run harness's record of the group holds this list
-            self.progress.extend(Progress() for _ in range(params.n))
+            self.progress.extend(PartialResponse() for _ in range(params.n))
         return list(
             await asyncio.gather(
                 *(
@@ -168,7 +168,7 @@ class PartialRollout:
         )
 
     async def sample(
-        self, prompt_ids: list[int], params: SamplingParams, p: Progress
+        self, prompt_ids: list[int], params: SamplingParams, p: PartialResponse
     ) -> Completion:
         """One response, continued from ``p`` and recorded in it as segments come back."""
         failures = 0

@@ -3,7 +3,7 @@
 ``response`` is the decoded completion; ``row`` holds the dataset row's fields (``answer``,
 ``tests``, ``task``, ...). ``None`` means "not applicable" and contributes nothing to the sum.
 Functions are found by registered name or as a ``module:function`` entry point
-(``trident.registry.load_entry_point``); ``RewardModel`` combines the configured ones as a
+(``trident.registry.load_entry_point``); ``RewardSum`` combines the configured ones as a
 weighted sum, every call under a timeout. A timeout or a crash inside a reward function is the
 infrastructure's failure (``infra_error``), never a zero for the model.
 
@@ -158,7 +158,7 @@ async def call_reward(
 
 
 @dataclass
-class RewardModel:
+class RewardSum:
     """Weighted sum of reward functions; ``score`` returns (reward, status), ``score_parts``
     also each function's own value (unweighted, by name; None = not applicable)."""
 
@@ -167,7 +167,7 @@ class RewardModel:
     names: list[str] | None = None  # per function, for ``score_parts`` (default: __name__)
 
     @classmethod
-    def from_config(cls, reward_cfg: Any) -> RewardModel:
+    def from_config(cls, reward_cfg: Any) -> RewardSum:
         if not reward_cfg.fns:
             return cls([(task_reward, 1.0)], reward_cfg.timeout_s, ["task"])
         fns = [(resolve(f.name, f.kwargs), f.weight) for f in reward_cfg.fns]

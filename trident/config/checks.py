@@ -1,0 +1,133 @@
+"""Checks across config sections: settings that are valid alone but not together.
+
+``TridentConfig``'s validator calls ``combination_errors`` and raises one error listing them all,
+so a user fixes every conflict in one pass. The environment checks look names up in the
+environment registry (lazily, so loading a config imports no torch).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trident.config.schema import TridentConfig
+
+
+def combination_errors(cfg: TridentConfig) -> list[str]:
+    """Every error among settings that are valid alone but not together (empty: none)."""
+    errors: list[str] = []
+    if cfg.pipeline.mode == "sync" and cfg.pipeline.max_staleness != 0:
+        errors.append(
+            "pipeline.mode=sync is strictly on-policy: set pipeline.max_staleness=0 or use an async mode"
+        )
+    if cfg.pipeline.mode == "colocate_async" and cfg.pipeline.max_staleness == 0:
+        errors.append(
+            "pipeline.mode=colocate_async trains every token one version stale: it needs "
+            "pipeline.max_staleness >= 1 (η=0 is the sync trainer)"
+        )
+    algo = cfg.algo
+    if (
+        algo.advantage in ("grpo", "rloo", "reinforce_pp_baseline")
+        and cfg.rollout.n < 2
+        and algo.reward_coef > 0
+    ):
+        errors.append(
+            f"algo.advantage={algo.advantage} compares samples of a group: set rollout.n >= 2 "
+            "(or algo.advantage=running_baseline for single samples)"
+        )
+    if algo.advantage == "gae" and not algo.use_critic:
+        errors.append("algo.advantage=gae needs a critic: set algo.use_critic=true")
+    if algo.use_critic and algo.advantage != "gae":
+        errors.append(
+            f"algo.use_critic trains a critic that only algo.advantage=gae uses (got {algo.advantage})"
+        )
+    if algo.kl_target is not None and algo.kl_coef <= 0:
+        errors.append(
+            "algo.kl_target adapts the KL coefficient from algo.kl_coef: set algo.kl_coef > 0 "
+            "(its initial value)"
+        )
+    if cfg.model.teacher_paths and algo.distill_coef == 0:
+        errors.append(
+            "model.teacher_paths is set but algo.distill_coef = 0: the teachers would be "
+            "loaded and ignored (set algo.distill_coef > 0 or algo.name=opd)"
+        )
+    if algo.distill_coef == 0 and algo.reward_coef == 0:
+        errors.append("algo.reward_coef = 0 and algo.distill_coef = 0: nothing to learn from")
+    paths = cfg.model.teacher_paths
+    if (
+        algo.distill_coef > 0
+        and paths
+        and "default" not in paths
+        and cfg.data.task
+        and not cfg.data.train_path
+        and cfg.data.task not in paths
+    ):
+        errors.append(
+            f"data.task={cfg.data.task} has no teacher: model.teacher_paths has "
+            f"{sorted(paths)}; add model.teacher_paths.{cfg.data.task}=PATH or .default=PATH"
+        )
+    if cfg.eval.pass_k > cfg.eval.samples:
+        errors.append(f"eval.pass_k={cfg.eval.pass_k} exceeds eval.samples={cfg.eval.samples}")
+    if cfg.algo.distill_coef > 0 and not cfg.model.teacher_paths:
+        errors.append("algo.distill_coef > 0 needs a teacher: set model.teacher_paths.default=PATH")
+    if cfg.pipeline.prompts_per_step * cfg.rollout.n < cfg.trainer.mini_batches:
+        errors.append(
+            "trainer.mini_batches exceeds the samples per step (pipeline.prompts_per_step * rollout.n)"
+        )
+    if not cfg.data.task and not cfg.data.train_path and not cfg.env.name:
+        errors.append("no data: set data.task (a built-in task), data.train_path or env.name")
+    errors += env_errors(cfg)
+    if cfg.algo.overlong_penalty and cfg.algo.overlong_buffer > cfg.response_budget:
+        errors.append(
+            f"algo.overlong_buffer={cfg.algo.overlong_buffer} exceeds the response budget "
+            f"{cfg.response_budget} ({'env.max_response_tokens' if cfg.env.name else 'rollout.max_tokens'})"
+        )
+    return errors
+
+
+def env_errors(cfg: TridentConfig) -> list[str]:
+    """The environment section against the rest: MCP server specs, the registry, budgets."""
+    errors = [
+        f"env.mcp_servers[{i}]: give exactly one of `command` (a list) or `url`, got {spec}"
+        for i, spec in enumerate(cfg.env.mcp_servers)
+        if ("command" in spec) == ("url" in spec)
+        or not isinstance(spec.get("command", []), list)
+        or set(spec) - {"command", "url", "env", "cwd", "timeout_s"}
+    ]
+    if cfg.env.mcp_servers and not cfg.env.name:
+        errors.append("env.mcp_servers adds tools to an environment: set env.name too")
+    if errors:
+        return errors
+    if not cfg.env.name:
+        return []
+    import difflib
+
+    from trident.envs import AGENT_PROGRAM, REGISTRY, get_spec
+
+    try:
+        spec = get_spec(cfg.env.name)
+    except KeyError:
+        close = difflib.get_close_matches(cfg.env.name, list(REGISTRY), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return [
+            f"env.name={cfg.env.name!r} is not a registered environment{hint}; "
+            f"registered: {', '.join(sorted(REGISTRY))}, or use module:Class"
+        ]
+    errors: list[str] = []
+    if cfg.env.name == AGENT_PROGRAM:
+        if not isinstance(cfg.env.kwargs.get("command"), list):
+            errors.append("env.name=agent_program needs env.kwargs.command: [prog, arg, ...]")
+        if cfg.eval.before_after:
+            errors.append(
+                "env.name=agent_program has no eval before/after yet: set eval.before_after=false"
+            )
+    if not spec.data and not cfg.data.task and not cfg.data.train_path:
+        errors.append(
+            f"env.name={cfg.env.name} has no data generator: set data.task or data.train_path"
+        )
+    if cfg.env.max_total_tokens > cfg.rollout.max_model_len:
+        errors.append(
+            f"env.max_total_tokens={cfg.env.max_total_tokens} exceeds rollout.max_model_len="
+            f"{cfg.rollout.max_model_len}"
+        )
+    return errors
