@@ -342,3 +342,45 @@ def rollout_server(model: str, run_dir: Path, tag: str) -> Iterator[str]:
         server.finish(timeout=120)
     assert server.proc.returncode == 143, server.output[-3000:]  # a clean stop on SIGTERM
     assert wait_gone(tag) == set()  # the vLLM processes went with it
+
+
+SHORT_RUN_STEPS = 3
+
+
+@pytest.fixture(scope="session")
+def short_run(tiny_model, tmp_path_factory) -> Path:
+    """``trident train`` of the tiny model, as a user runs it: 3 steps of 2 prompts x 4, with
+    every installed tracker on (W&B in offline mode, MLflow on a ``file:`` store under the run's
+    parent directory), so the report tests and the tracker tests read one real run."""
+    import importlib.util
+
+    runs = tmp_path_factory.mktemp("short_runs")
+    trackers = []
+    if importlib.util.find_spec("wandb") is not None:
+        trackers.append("telemetry.wandb_project=trident-test")
+    if importlib.util.find_spec("mlflow") is not None:
+        trackers.append(f"telemetry.mlflow_uri=file:{runs / 'mlruns'}")
+    with pytest.MonkeyPatch.context() as env:  # the run's process inherits these
+        env.setenv("WANDB_MODE", "offline")
+        env.setenv("WANDB_SILENT", "true")
+        # MLflow 3 refuses the file store unless asked (it wants a database backend, which
+        # needs SQLAlchemy: the full `mlflow` package, not mlflow-skinny)
+        env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        r = run_cli(
+            "train",
+            f"model.path={tiny_model}",
+            f"run.dir={runs}",
+            "run.name=short",
+            f"pipeline.steps={SHORT_RUN_STEPS}",
+            "pipeline.prompts_per_step=2",
+            "rollout.n=4",
+            "eval.max_prompts=8",
+            "eval.samples=2",
+            "eval.pass_k=2",
+            "trainer.cpu_threads=1",
+            "telemetry.progress=false",
+            *trackers,
+            timeout=900,
+        )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return runs / "short"

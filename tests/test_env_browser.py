@@ -211,5 +211,11 @@ def browser_run(tiny_model, tmp_path_factory):
 def test_train_on_the_browser_environment_end_to_end(browser_run):
     cfg, metrics = browser_run
     check_env_steps(cfg, metrics, 32)
-    # 1.0 only if the page the site rendered after the model's clicks shows the typed name
-    assert max(m["reward_mean"] for m in metrics) > 0, [m["reward_mean"] for m in metrics]
+    # 1.0 only if the page the site rendered after the model's clicks shows the typed name.
+    # Measured: 12.5% of 64 trajectories; 2026-12-03 at 2ec7042, this run's 64: 5/32 then 2/32
+    # (10.9%). 64 trajectories at ~11% bound it from below at one success only (none: p 6e-4;
+    # one or none: 5e-3, too flaky); from above, 35% (23 or more of 64: p 1e-7) is a site
+    # that rewards without the typed name, or a warm-up that changed: measure again.
+    solved = sum(m["generated/accuracy"] * m["generated/samples"] for m in metrics)
+    rate = solved / sum(m["generated/samples"] for m in metrics)
+    assert 1 / 64 <= rate <= 0.35, [m["generated/accuracy"] for m in metrics]

@@ -122,5 +122,11 @@ def terminal_run(tiny_model, tmp_path_factory):
 def test_train_on_the_terminal_environment_end_to_end(terminal_run):
     cfg, metrics = terminal_run
     check_env_steps(cfg, metrics, 16)
-    # reward 1.0 only if the check found the file the model's bash command wrote
-    assert max(m["reward_mean"] for m in metrics) > 0, [m["reward_mean"] for m in metrics]
+    # reward 1.0 only if the check found the file the model's bash command wrote. Measured:
+    # 88% of 64 trajectories (when the warm-up was set to 240 steps); 2026-12-03 at 2ec7042,
+    # two runs' 32: 13/16 + 16/16 and 14/16 + 15/16 (90.6%). At least half: at 88%, 15 or fewer
+    # of 32 has probability 2e-8, and 6e-4 for a host whose warm-up lands as low as 75%; 120
+    # warm-up steps (8%) fail it.
+    solved = sum(m["generated/accuracy"] * m["generated/samples"] for m in metrics)
+    rate = solved / sum(m["generated/samples"] for m in metrics)
+    assert rate >= 0.5, [m["generated/accuracy"] for m in metrics]

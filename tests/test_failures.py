@@ -150,6 +150,43 @@ def test_a_dropped_connection_is_retried_once(drops, answered):
 # -- a hang ---------------------------------------------------------------------------------------
 
 
+def test_a_hang_dump_says_which_process_is_stopped(tmp_path):
+    """py-spy reads no stack of a stopped process; the dump names the process and says which of
+    its tree is stopped, and still holds the stacks of the ones that run."""
+    from trident.pipeline.watchdog import Watchdog
+    from trident.telemetry.trace import Trace
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; subprocess.run(['sleep', '60'])"]
+    )
+    sleeper = None
+    try:
+        deadline = time.monotonic() + 30
+        while not (child := Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        sleeper = int(child.split()[0])
+        os.kill(sleeper, signal.SIGSTOP)
+        while Path(f"/proc/{sleeper}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        async def dump() -> Path:
+            return Watchdog(60, tmp_path, Trace(), {"server": parent.pid}).dump()
+
+        text = (asyncio.run(dump()) / "server.txt").read_text()
+    finally:
+        parent.kill()
+        parent.wait()
+        if sleeper is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(sleeper, signal.SIGKILL)
+    assert text.startswith(f"# server (pid {parent.pid})\n"), text
+    assert f"# process {sleeper} (sleep) is stopped (state T in /proc/{sleeper}/stat)" in text
+    assert f"# process {parent.pid} " not in text  # the parent runs: py-spy's stack of it
+    assert f"Process {parent.pid}: " in text and "subprocess.py" in text, text
+
+
 def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
     """A rollout server whose engine stops (SIGSTOP of its engine core: its API server still
     answers ``/health``, its requests neither finish nor fail) stalls the step; the watchdog
@@ -184,7 +221,11 @@ def test_a_hang_is_explained_with_every_process_stacks(tiny_model, tmp_path):
     driver = (hang / "driver.txt").read_text()
     assert "asyncio tasks" in driver and "trident/pipeline" in driver  # where the driver waits
     assert "PolicyWorker" in (hang / "trainer_rank0.txt").read_text()  # py-spy's dump
-    assert (hang / "vllm_server_0.txt").exists()
+    # the server's dump names it, and its stopped engine core: py-spy reads no stack there
+    server = (hang / "vllm_server_0.txt").read_text()
+    assert server.startswith("# vllm_server_0 (pid "), server[:3000]
+    assert f"# process {engine} (" in server and "is stopped (state T" in server, server[:3000]
+    assert "vllm/entrypoints" in server, server[:3000]  # py-spy's stack of the API server
     assert wait_gone(tag) == set()
 
 

@@ -1,37 +1,40 @@
-"""The trackers beside ``metrics.jsonl`` receive the same keys and values at the same steps:
-W&B in its own offline mode (read back from the run's ``.wandb`` log), MLflow on a local file
-store (read back with ``MlflowClient``). Each is skipped when its optional package is absent."""
+"""The trackers beside ``metrics.jsonl`` receive the same keys and values at the same steps, in a
+real ``trident train`` run with the tracker keys set (conftest's ``short_run``:
+``telemetry.wandb_project`` with ``WANDB_MODE=offline``, ``telemetry.mlflow_uri`` a ``file:``
+store): W&B read back from the run's ``.wandb`` log, MLflow with ``MlflowClient``. Each is
+skipped when its optional package is absent."""
 
 import json
-from pathlib import Path
 
 import pytest
+from conftest import SHORT_RUN_STEPS
 
-from trident.telemetry.metrics import MLFLOW_EXPERIMENT, MetricsLogger, numeric, read_metrics
+from trident.telemetry.metrics import MLFLOW_EXPERIMENT, numeric, read_metrics
 
-STEPS = [
-    {"reward_mean": 0.25, "accuracy": 0.5, "mismatch/abs_logp_mean": 1.5e-7, "sync/bytes": 3_600_000},
-    {"reward_mean": 0.75, "accuracy": 1.0, "mismatch/abs_logp_mean": 2.5e-7, "sync/bytes": 3_600_000, "staleness/frac_1": 0.3},
-    {"reward_mean": 1.25, "accuracy": 1.0, "time/train_s": 0.125, "sync/bytes": 3_600_000},
-]  # fmt: skip
-
-
-def _log(run_dir: Path, **sinks: str) -> list[dict]:
-    log = MetricsLogger(run_dir, tensorboard=False, config={"algo": {"name": "grpo"}}, **sinks)
-    for step, metrics in enumerate(STEPS):
-        log.log(step, metrics)
-    log.close()
-    return read_metrics(run_dir)
+# a few of the keys every GRPO step logs: reward, engine/trainer agreement, sync, stage times
+STEP_KEYS = {
+    "step",
+    "reward_mean",
+    "loss",
+    "mismatch_abs_logp_diff_mean",
+    "sync/bytes",
+    "time/train_s",
+}
 
 
-def test_wandb_offline_run_gets_what_metrics_jsonl_gets(tmp_path, monkeypatch):
+def _expected(short_run) -> list[dict]:
+    expected = read_metrics(short_run)
+    assert [m["step"] for m in expected] == list(range(SHORT_RUN_STEPS))
+    assert all(set(m) >= STEP_KEYS for m in expected), [sorted(m) for m in expected]
+    return expected
+
+
+def test_wandb_offline_run_gets_what_metrics_jsonl_gets(short_run):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install 'trident[wandb]')")
     from wandb.proto import wandb_internal_pb2
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    expected = _log(tmp_path / "run", wandb_project="trident-test")
-    (log_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    expected = _expected(short_run)
+    (log_file,) = (short_run / "wandb").glob("offline-run-*/run-*.wandb")
     history = []
     for data in _leveldb_records(log_file.read_bytes()):
         record = wandb_internal_pb2.Record()
@@ -42,6 +45,7 @@ def test_wandb_offline_run_gets_what_metrics_jsonl_gets(tmp_path, monkeypatch):
                 for i in record.history.item
             }
             history.append({k: v for k, v in items.items() if not k.startswith("_")})
+    assert len(history) == SHORT_RUN_STEPS
     assert history == expected
 
 
@@ -65,23 +69,21 @@ def _leveldb_records(data: bytes) -> list[bytes]:
     return records
 
 
-def test_mlflow_file_store_gets_what_metrics_jsonl_gets(tmp_path, monkeypatch):
+def test_mlflow_file_store_gets_what_metrics_jsonl_gets(short_run, monkeypatch):
     pytest.importorskip("mlflow", reason="mlflow is not installed (pip install 'trident[mlflow]')")
     from mlflow import MlflowClient
 
-    # MLflow 3 refuses the file store unless asked (it wants a database backend, which needs
-    # SQLAlchemy: the full `mlflow` package, not mlflow-skinny)
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    uri = f"file:{tmp_path / 'mlruns'}"
-    expected = _log(tmp_path / "run", mlflow_uri=uri)
-
-    client = MlflowClient(tracking_uri=uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as for the run (conftest)
+    expected = _expected(short_run)
+    client = MlflowClient(tracking_uri=f"file:{short_run.parent / 'mlruns'}")
     experiment = client.get_experiment_by_name(MLFLOW_EXPERIMENT)
     (run,) = client.search_runs([experiment.experiment_id])
-    assert run.info.run_name == "run" and run.info.status == "FINISHED"
-    assert run.data.params["algo.name"] == "grpo"
+    assert run.info.run_name == "short" and run.info.status == "FINISHED"
+    assert run.data.params["algo.name"] == "grpo"  # the run's config, flattened
+    assert run.data.params["pipeline.steps"] == str(SHORT_RUN_STEPS)
     got: dict[int, dict[str, float]] = {}
     for key in run.data.metrics:
         for m in client.get_metric_history(run.info.run_id, key):
             got.setdefault(m.step, {})[key] = m.value
+    assert sorted(got) == list(range(SHORT_RUN_STEPS))
     assert got == {r["step"]: numeric(r) for r in expected}

@@ -5,7 +5,8 @@ Progress is a step logged (or the start, or the evals around the steps finishing
 comes for the timeout, the watchdog writes every process's Python stacks to
 ``runs/<name>/hang-<time>/`` (the driver's threads and asyncio tasks with ``faulthandler``;
 the trainer ranks and vLLM servers with ``py-spy dump``, which reads a process stuck in a
-collective or a kernel as well as any other) and fails the run with one line naming the stage
+collective or a kernel as well as any other; a stopped process, whose stacks py-spy cannot read,
+is named as stopped at the top of its dump) and fails the run with one line naming the stage
 that stopped: the longest-open span of the run's trace (``train`` on the trainer, ``generate``
 on a server, ``reward``, ...) and how long it has been open.
 """
@@ -93,6 +94,10 @@ class Watchdog:
                 f.write(f"\n{task!r}\n{text.getvalue()}")
         py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         for name, pid in self.pids.items():
+            head = f"# {name} (pid {pid})\n"
+            # py-spy reads no stack of a stopped process ("Failed to get stack traces"): say so
+            for child, comm in stopped_processes(pid):
+                head += f"# process {child} ({comm}) is stopped (state T in /proc/{child}/stat)\n"
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 r = subprocess.run(
                     [py_spy, "dump", "--subprocesses", "--pid", str(pid)],
@@ -100,5 +105,26 @@ class Watchdog:
                     text=True,
                     timeout=30,
                 )
-                (out / f"{name}.txt").write_text(r.stdout + r.stderr)
+                head += r.stdout + r.stderr
+            (out / f"{name}.txt").write_text(head)
         return out
+
+
+def stopped_processes(root: int) -> list[tuple[int, str]]:
+    """(pid, command name) of ``root`` and each of its descendants in state T (stopped, e.g. by
+    SIGSTOP, or t: stopped by a tracer), from ``/proc/PID/stat``."""
+    procs: dict[int, tuple[int, str, str]] = {}  # pid -> (parent, state, comm)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat.read_text()
+            comm = text[text.index("(") + 1 : text.rindex(")")]
+            state, ppid = text[text.rindex(")") + 2 :].split()[:2]
+            procs[int(stat.parent.name)] = (int(ppid), state, comm)
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _, _) in procs.items():
+            if ppid == parent and pid not in tree:
+                tree.add(pid)
+                frontier.append(pid)
+    return sorted((pid, procs[pid][2]) for pid in tree if pid in procs and procs[pid][1] in "Tt")
