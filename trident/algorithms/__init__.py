@@ -1,6 +1,8 @@
 """Pure RL algorithm functions on torch tensors: advantages, policy/value losses, KL, importance
-correction, loss aggregation. No I/O, no Ray, no HTTP, no files; every formula has a float64
-golden-value test in ``tests/test_algorithms.py``.
+correction, loss aggregation, and the per-micro-batch loss that combines them
+(:mod:`trident.algorithms.rl_loss`). No I/O, no Ray, no HTTP, no files; every formula has a
+float64 golden-value test in ``tests/test_algorithms.py`` or ``tests/test_rl_loss.py``. How the
+trainer puts them together, and why: ``docs/algorithms.md``.
 
 Shapes: per-token values are padded [B, T] with a ``mask`` [B, T] (1 = the token counts in the
 loss); per-sequence values are [B].

@@ -16,7 +16,9 @@ Two ways to use the KL: as a loss term (``aggregate(kl_estimate(...), mask, mode
 ``kl_coef``, GRPO) or inside the reward (:func:`kl_penalty_in_reward`, REINFORCE++/PPO-RLHF).
 :class:`AdaptiveKLController` (Ziegler et al. 2019, "Fine-Tuning Language Models from Human
 Preferences") moves the coefficient so that the measured KL tracks a target:
-e = clip(KL / target - 1, -0.2, 0.2), beta <- beta (1 + e n_steps / horizon).
+e = clip(KL / target - 1, -0.2, 0.2), beta <- beta (1 + e n_steps / horizon). The trainer
+measures KL as the batch mean of each sample's summed per-token KL of the sampling policy to the
+reference (Ziegler's per-sample KL; TRL's PPO measures the same) and counts n_steps in samples.
 
 Simplification: d is clamped to [-20, 20] before the exponential so that a token the reference
 finds impossible cannot produce inf; at |d| = 20 the estimate is already ~5e8.

@@ -59,7 +59,7 @@ from trident.pipeline.metrics import (
     trained_metrics,
 )
 from trident.pipeline.progress import StepProgress
-from trident.pipeline.recovery import ServerRestarter, Rejoiner, ServerRecovery
+from trident.pipeline.recovery import Rejoiner, ServerRecovery, ServerRestarter
 from trident.pipeline.stages import GroupMaker, Schedule, Trainer
 from trident.pipeline.watchdog import Watchdog
 from trident.rollout.engine import EngineError, FinishReason, RolloutEngine, SamplingParams

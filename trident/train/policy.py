@@ -1,79 +1,22 @@
 """The FSDP2 policy trainer: one ``PolicyWorker`` per rank, each hosted by a Ray actor.
 
-A training step, given the step's scored Samples (the same list on every rank):
+A training step, given the step's scored Samples (the same list on every rank), runs four stages:
 
-1. each rank takes its shard (every world-th sample of each mini-batch; ``samples[rank::world]``
-   when ``trainer.mini_batches`` is 1) and recomputes, with no gradient, the
-   per-token quantities of the models it holds: the logprobs of the policy that is about to be
-   updated (the PPO "old" policy; in sync mode it is the sampler's weights, so the
-   engine-vs-trainer gap measured here is pure numerical mismatch), of the frozen reference
-   (``algo.kl_coef`` > 0), of each sample's teacher (``algo.distill_coef`` > 0) and the critic's
-   values (``algo.use_critic``);
-2. the quantities the advantage needs are assembled into [B, T] grids of the whole batch (every
-   rank fills its rows of a zero grid, one ``all_reduce`` sums them), and every rank computes the
-   same advantages over the whole batch (``algorithms.compute_advantages``). So group statistics
-   see whole groups, GAE's whitening and REINFORCE++'s batch normalisation use global statistics,
-   and N ranks compute exactly what one rank would. The grids are [B, T] floats: a few MB even at
-   a 512 x 8k batch, far below a forward pass;
-3. ``trainer.mini_batches`` optimizer steps, each accumulating micro-batches of at most
-   ``trainer.micro_batch_tokens`` tokens. Losses use global token/sequence counts, so 4x2 equals
-   8x1 and N ranks equal one. Every rank runs the same number of micro-batches (a rank with
-   fewer splits its largest ones, or runs a zero-weight one), since each FSDP2 forward and
-   backward is a collective;
-4. importance weights correct the engine/trainer mismatch (TIS/MIS, ``algo.is_*``).
+1. recompute: each rank scores its shard with no gradient, with every model it holds (the
+   policy about to be updated, the frozen reference, the critic, the teachers):
+   :mod:`trident.train.recompute`;
+2. advantages over the whole batch, the same on every rank: :mod:`trident.train.advantage`;
+3. optimize: ``trainer.mini_batches`` optimizer steps, each accumulating micro-batches of at most
+   ``trainer.micro_batch_tokens`` tokens whose loss is :func:`trident.algorithms.rl_loss.rl_loss`
+   (global token/sequence counts, so 4x2 equals 8x1 and N ranks equal one);
+4. reduce: the ranks' metric sums become the step's metrics.
 
-What the advantage of a token is made of (``algo.*``):
-
-- **Reward estimator** (``advantage``, weighted by ``reward_coef``): see
-  :mod:`trident.algorithms.advantages`. With ``running_baseline`` the per-prompt EMA baselines
-  live on the worker across steps, keyed by the prompt's text, identical on every rank.
-- **PPO with a learned critic** (``use_critic``, ``advantage=gae``; Schulman et al. 2017, GAE from
-  Schulman et al. 2016): a separate value model (:mod:`trident.train.critic`) gives V(s_t) for
-  every response token; delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1},
-  whitened over the batch's tokens (``norm_std``), and the critic regresses on R_t = A_t + V_t
-  (before whitening) with PPO's clipped value loss
-  0.5 max((V - R)^2, (V_old + clip(V - V_old, +-value_clip) - R)^2), token-mean, in the same
-  mini-batches as the policy, with its own AdamW (``trainer.critic_lr``). Metrics:
-  ``value_loss``, ``value_mean`` (V_old over response tokens), ``explained_variance``
-  = 1 - Var(R - V_old) / Var(R) (verl's ``vf_explained_var``).
-- **KL in the reward** (``kl_in_reward``; Ziegler et al. 2019, "Fine-Tuning Language Models from
-  Human Preferences"; REINFORCE++, Hu 2025): the token reward is
-  r_t = R * 1[t = last] - beta * KL_t with KL_t = ``kl_estimate(log pi_old, log pi_ref)`` (k1 =
-  log pi_old - log pi_ref for the ``reinforce_pp`` preset), so the penalty flows through the
-  estimator (return-to-go, GAE, or the group statistics of the sequence sums) and the loss has no
-  KL term. Without it, beta * KL (of the policy being updated) is added to the loss, GRPO style.
-- **Adaptive KL** (``kl_target``; Ziegler et al. 2019): beta starts at ``kl_coef`` and after each
-  step becomes beta (1 + clip(KL / target - 1, -0.2, 0.2) B / horizon), with KL the mean over the
-  batch's B samples of the summed per-token KL of the sampling policy to the reference (Ziegler's
-  per-sample KL; TRL's PPO measures the same). Metric ``kl_coef`` is the beta of the step.
-- **On-policy distillation** (``distill_coef``, ``model.teacher_paths``; Agarwal et al. 2024,
-  "On-Policy Distillation of Language Models" (GKD) with student samples and reverse KL;
-  Thinking Machines, "On-Policy Distillation", 2025): the student samples, the frozen teacher of
-  the sample's task (``row["task"]``, else ``data.task``; ``default`` when the task has none)
-  scores the sampled tokens, and the token's advantage gets
-  ``- distill_coef * (log pi_old(y_t) - log pi_teacher(y_t))``, the negative per-token reverse
-  KL (k1), with discount zero (a token is credited with its own log-ratio only, as Thinking
-  Machines do). Why an advantage and not a ``k1`` loss term: the samples are drawn from the
-  student, so the gradient of KL(pi || pi_T) = E_{y ~ pi}[log pi(y) - log pi_T(y)] is the
-  score-function term E[grad log pi(y) (log pi(y) - log pi_T(y))]; a loss term
-  mean_t(log pi(y_t) - log pi_T(y_t)) differentiated through log pi only has gradient
-  E[grad log pi] = 0 in expectation, i.e. no teacher signal at all. As an advantage the
-  distillation signal also goes through the same PPO clip and importance correction as the
-  reward, so it stays valid off-policy (async modes). ``reward_coef=0`` (the ``opd`` preset) is
-  pure distillation. Metric ``distill_kl`` (the mean per-token k1 reverse KL), and
-  ``distill_kl/<key>`` per ``model.teacher_paths`` key when there are several teachers.
-
-Logits are divided by the sampling temperature, so the trainer's policy is the distribution the
-engine sampled from (the server reports processed logprobs); the reference and teachers are
-scored at the same temperature, so every KL compares the same kind of distribution.
-``top_p`` < 1 is not modelled. The reference and teacher models are frozen and replicated on
-every rank (not sharded).
+The worker also pushes its weights to the rollout servers and saves and loads the training
+state. What the advantage and the loss are made of, and why: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import time
 from collections import defaultdict
@@ -85,33 +28,28 @@ import torch
 import torch.distributed as dist
 
 from trident import algorithms as alg
+from trident.algorithms.rl_loss import LossSpec, add_sums, rl_loss
 from trident.config import TridentConfig
 from trident.models.load import load_causal_lm, load_tokenizer
 from trident.sample import Sample
 from trident.train import fsdp
-from trident.train.batch import Batch, collate, micro_batches
+from trident.train.advantage import Advantages
+from trident.train.batch import Batch, collate
 from trident.train.critic import ValueModel, token_values
+from trident.train.recompute import (
+    even_micro_batches,
+    gather,
+    recompute,
+    select_rows,
+    shard,
+    token_logprobs,
+)
 from trident.weights.tensors import full_tensor
 
 if TYPE_CHECKING:
     from trident.weights.sync import Backend, WeightSync
 
-
-def token_logprobs(
-    model: torch.nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token logprobs [B, T-1] of ``batch.input_ids[:, 1:]`` (and entropies if asked)."""
-    logits = (
-        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    )
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    if not with_entropy:
-        return logp, None
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+__all__ = ["PolicyWorker", "token_logprobs"]
 
 
 class PolicyWorker:
@@ -138,11 +76,8 @@ class PolicyWorker:
         self.model = fsdp.shard(model, dtype)
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self.ref = self._frozen(cfg.model.ref_path or cfg.model.path) if a.kl_coef > 0 else None
-        self.kl_ctl = (
-            alg.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
-            if a.kl_target is not None
-            else None
-        )
+        # the advantages' state across steps: adaptive KL, running baselines, prompt ids
+        self.adv = Advantages(a, cfg.model.teacher_paths, cfg.data.task)
         self.opt, self.sched = self._optimizer(self.model, tc.lr)
         self.critic = None
         if a.use_critic:
@@ -155,10 +90,6 @@ class PolicyWorker:
             for path in sorted(set(cfg.model.teacher_paths.values())):
                 _check_same_vocabulary(self.tokenizer, cfg.model.path, path)
                 self.teachers[path] = self._frozen(path)
-        self.baseline_state = (
-            alg.new_baseline_state(a.baseline_decay) if a.advantage == "running_baseline" else None
-        )
-        self._prompt_ids: dict[str, int] = {}  # prompt key -> stable int id (running_baseline)
         self.sync: WeightSync | None = None
         self.server_urls: list[str] = []  # every server, as connect() was told (all ranks)
         self.backend: Backend = "shm"
@@ -181,114 +112,39 @@ class PolicyWorker:
         )
         return opt, sched
 
+    # -- the advantages' state, read through the worker ---------------------------------------
+
     @property
     def kl_coef(self) -> float:
         """beta of the KL to the reference: fixed, or the adaptive controller's current value."""
-        return self.kl_ctl.value if self.kl_ctl is not None else self.cfg.algo.kl_coef
+        return self.adv.kl_coef
 
-    # -- routing -------------------------------------------------------------------------------
+    @property
+    def baseline_state(self) -> dict | None:
+        """The running baselines (``advantage=running_baseline``), else None."""
+        return self.adv.baseline_state
 
     def teacher_key(self, sample: Sample) -> str:
         """The ``model.teacher_paths`` key of the sample's teacher: its task, else ``default``."""
-        paths = self.cfg.model.teacher_paths
-        row = sample.metadata.get("row") or {}
-        task = row.get("task") or self.cfg.data.task
-        if task in paths:
-            return task
-        if "default" in paths:
-            return "default"
-        raise ValueError(
-            f"sample {sample.id} is from task {task!r}, which has no teacher: "
-            f"model.teacher_paths has {sorted(paths)}; add {task!r} or 'default'"
-        )
-
-    def _prompt_key(self, sample: Sample) -> str:
-        row = sample.metadata.get("row")
-        if isinstance(row, dict) and "prompt" in row:
-            return json.dumps(row["prompt"], sort_keys=True)
-        return sample.group_id
-
-    def group_ids(self, samples: list[Sample]) -> torch.Tensor:
-        """Group index per sample: the step's groups, or (running_baseline) stable prompt ids."""
-        if self.baseline_state is None:
-            index: dict[str, int] = {}
-            return torch.tensor([index.setdefault(s.group_id, len(index)) for s in samples])
-        ids = self._prompt_ids
-        return torch.tensor([ids.setdefault(self._prompt_key(s), len(ids)) for s in samples])
-
-    # -- training ------------------------------------------------------------------------------
+        return self.adv.teacher_key(sample)
 
     def advantages(
         self, samples: list[Sample], full: Batch, grids: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
-        """(advantages [B, T], critic returns [B, T] or None, metrics) for the whole batch.
+        """(advantages [B, T], critic returns [B, T] or None, metrics) for the whole batch."""
+        return self.adv.compute(samples, full.mask, grids)
 
-        ``grids`` holds the per-token quantities of the whole batch that the configuration
-        needs (``old``, ``ref``, ``values``, ``teacher``: [B, T] on CPU); see the module
-        docstring for the formulas.
-        """
-        a = self.cfg.algo
-        mask = full.mask
-        tokens = mask.sum().clamp(min=1.0)
-        # an infra_error kept in the loss (reward.exclude_infra_errors=false) scores 0
-        rewards = torch.tensor(
-            [s.reward if s.reward is not None else 0.0 for s in samples], dtype=torch.float32
-        )
-        metrics: dict[str, float] = {}
-        token_rewards: torch.Tensor = rewards
-        if "ref" in grids:  # the KL of the sampling policy to the reference, per token
-            kl = alg.kl_estimate(grids["old"], grids["ref"], a.kl_estimator) * mask
-            metrics["kl_seq"] = float(kl.sum(-1).mean())
-            if a.kl_in_reward:
-                metrics["kl_ref"] = float(kl.sum() / tokens)
-                token_rewards = alg.kl_penalty_in_reward(rewards, kl, mask, self.kl_coef)
-        if self.kl_ctl is not None or a.kl_in_reward:
-            metrics["kl_coef"] = self.kl_coef
-        returns = None
-        adv = torch.zeros_like(mask)
-        if a.use_critic:
-            values = grids["values"]
-            raw, returns = alg.gae_advantages_and_returns(
-                token_rewards, values, mask, gamma=a.gamma, lam=a.lam
-            )
-            if a.reward_coef > 0:
-                adv = alg.masked_whiten(raw, mask) if a.norm_std else raw
-            metrics["value_mean"] = float(alg.masked_mean(values, mask))
-            metrics["return_mean"] = float(alg.masked_mean(returns, mask))
-            metrics["explained_variance"] = _explained_variance(returns, values, mask)
-        elif a.reward_coef > 0:
-            adv = alg.compute_advantages(
-                a.advantage,
-                token_rewards,
-                self.group_ids(samples),
-                mask,
-                norm_std=a.norm_std,
-                gamma=a.gamma,
-                lam=a.lam,
-                baseline_state=self.baseline_state,
-            )
-        adv = adv * a.reward_coef
-        if self.teachers:
-            reverse_kl = (grids["old"] - grids["teacher"]) * mask  # k1 of KL(student || teacher)
-            adv = adv - a.distill_coef * reverse_kl
-            metrics["distill_kl"] = float(reverse_kl.sum() / tokens)
-            keys = [self.teacher_key(s) for s in samples]
-            if len(set(self.cfg.model.teacher_paths)) > 1:
-                for key in sorted(set(keys)):
-                    rows = [i for i, k in enumerate(keys) if k == key]
-                    n = mask[rows].sum().clamp(min=1.0)
-                    metrics[f"distill_kl/{key}"] = float(reverse_kl[rows].sum() / n)
-        return adv, returns, metrics
+    # -- training ------------------------------------------------------------------------------
 
     def train_step(self, samples: list[Sample]) -> dict[str, Any]:
-        """One RL step on ``samples`` (identical on every rank); returns rank-0-reduced metrics
-        and, under ``per_sample``, each sample's [mean advantage, mean engine-vs-trainer
-        |Δlogp|] over its loss tokens (for the lineage)."""
-        a = self.cfg.algo
+        """One RL step on ``samples`` (identical on every rank): recompute → advantages →
+        optimize → reduce. Returns rank-0-reduced metrics and, under ``per_sample``, each
+        sample's [mean advantage, mean engine-vs-trainer |Δlogp|] over its loss tokens (for the
+        lineage)."""
         t0 = time.perf_counter()
         pad = self.tokenizer.pad_token_id
         full = collate(samples, pad)
-        mine, chunks = self._shard(len(samples))
+        mine, chunks = shard(len(samples), self.cfg.trainer.mini_batches, self.rank, self.world)
         batch = collate([samples[i] for i in mine], pad).to(self.device)
         # With only the policy's own logprobs to recompute, the first mini-batch's come from its
         # own forward pass, taken before any optimizer step: one forward fewer for those rows.
@@ -297,12 +153,12 @@ class PolicyWorker:
         local = self._recompute(batch, [samples[i] for i in mine], skip=chunks[0] if fused else [])
         t1 = time.perf_counter()
         grids = self._gather(local, mine, full.mask.shape)
-        adv_all, returns_all, step_metrics = self.advantages(samples, full, grids)
+        adv_all, returns_all, step_metrics = self.adv.compute(samples, full.mask, grids)
         width = batch.mask.shape[1]
         adv = adv_all[mine][:, :width].to(self.device)
         returns = None if returns_all is None else returns_all[mine][:, :width].to(self.device)
         engine_mask = batch.mask.clone()  # the per-sample mismatch covers every generated token
-        if a.mask_truncated:  # DAPO: truncated samples count in group statistics only
+        if self.cfg.algo.mask_truncated:  # DAPO: truncated samples count in group statistics only
             truncated = torch.tensor(
                 [samples[i].status == "truncated" for i in mine], device=self.device
             )
@@ -312,136 +168,47 @@ class PolicyWorker:
         for k, chunk in enumerate(chunks):
             self._optimizer_step(batch, chunk, adv, local, returns, sums, fill_old=fused and k == 0)
         t3 = time.perf_counter()
-        per_sample = self._per_sample(
-            samples, mine, full.mask, adv_all, engine_mask, batch.engine_logp, local["old"]
+        per_sample = _per_sample(
+            mine, full.mask, adv_all, engine_mask, batch.engine_logp, local["old"], self.world
         )
         self.sched.step()
         if self.critic is not None:
             self.critic_sched.step()
-        kl_seq = step_metrics.pop("kl_seq", None)
-        if self.kl_ctl is not None and kl_seq is not None:
-            self.kl_ctl.update(kl_seq, len(samples))
+        self.adv.update_kl(step_metrics.pop("kl_seq", None), len(samples))
         timing = {  # rank 0's; the caller's time/train_s less these is the batch's transfer
             "time/recompute_s": t1 - t_recompute,
             "time/optimize_s": t3 - t2,
             "time/rank_s": time.perf_counter() - t0,
         }
-        return self._reduce_metrics(sums) | step_metrics | timing | {"per_sample": per_sample}
+        lr = float(self.sched.get_last_lr()[0])
+        metrics = _reduce_metrics(sums, lr, self.world, self.device)
+        return metrics | step_metrics | timing | {"per_sample": per_sample}
 
-    def _per_sample(
-        self,
-        samples: list[Sample],
-        mine: list[int],
-        full_mask: torch.Tensor,
-        adv_all: torch.Tensor,
-        m: torch.Tensor,
-        engine_logp: torch.Tensor,
-        old: torch.Tensor,
-    ) -> list[list[float]]:
-        """[mean advantage, mean |engine logp - trainer logp|] per sample over its loss tokens;
-        each rank fills its own rows of the mismatch and one all_reduce sums them."""
-        tokens = full_mask.sum(1).clamp(min=1)
-        advantage = (adv_all * full_mask).sum(1) / tokens
-        gap = torch.zeros(len(samples), device=self.device)
-        rows = torch.tensor(mine, device=self.device, dtype=torch.long)
-        gap[rows] = ((old - engine_logp).abs() * m).sum(1) / m.sum(1).clamp(min=1)
-        if self.world > 1:
-            dist.all_reduce(gap)
-        return torch.stack([advantage.float().cpu(), gap.float().cpu()], 1).tolist()
-
-    def _shard(self, n: int) -> tuple[list[int], list[list[int]]]:
-        """This rank's samples and its rows of each mini-batch. Mini-batch k is samples[k::M]
-        whatever the world size, and each rank takes every world-th sample of it, so N ranks
-        train on the same mini-batches as one (with M = 1 the shard is samples[rank::world])."""
-        mine: list[int] = []
-        chunks: list[list[int]] = []
-        for k in range(self.cfg.trainer.mini_batches):
-            part = list(range(k, n, self.cfg.trainer.mini_batches))[self.rank :: self.world]
-            chunks.append(list(range(len(mine), len(mine) + len(part))))
-            mine += part
-        return mine, chunks
-
-    def _micro_batches(self, lengths: list[int]) -> list[list[int] | None]:
-        """``micro_batches`` by token budget, made equally many on every rank: each FSDP2
-        forward/backward is a collective. A rank with fewer splits its largest micro-batches,
-        then pads with ``None`` (a zero-weight pass)."""
-        groups = micro_batches(lengths, self.cfg.trainer.micro_batch_tokens)
-        if self.world == 1:
-            return list(groups)
-        count = torch.tensor([len(groups)], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        out: list[list[int] | None] = list(groups)
-        while len(out) < int(count) and any(g is not None and len(g) > 1 for g in out):
-            largest = max(range(len(out)), key=lambda i: len(out[i] or []))
-            g = out.pop(largest)
-            assert g is not None  # the largest has more than one sample
-            out += [g[: len(g) // 2], g[len(g) // 2 :]]
-        return out + [None] * (int(count) - len(out))
-
-    @torch.no_grad()
     def _recompute(
         self, batch: Batch, samples: list[Sample], skip: list[int] | None = None
     ) -> dict[str, torch.Tensor]:
-        """Per-token quantities of this rank's rows [b, T] with no gradient: ``old`` (policy
-        logprobs), ``ref``, ``values`` (critic), ``teacher`` (each row's own teacher). Rows in
-        ``skip`` are left at zero (their ``old`` is filled by the first optimizer step)."""
-        temperature = self.cfg.rollout.temperature or 1.0
-        lengths = batch.attention_mask.sum(1).tolist()
-        todo = sorted(set(range(len(lengths))) - set(skip or []))
-        parts: dict[str, list] = defaultdict(list)
-        for part in self._micro_batches([lengths[i] for i in todo]):
-            idx = None if part is None else [todo[i] for i in part]
-            mb = _select(batch, idx if idx is not None else [0])
-            old = token_logprobs(self.model, mb, temperature)[0]
-            values = token_values(self.critic, mb) if self.critic is not None else None
-            if idx is None:
-                continue  # a zero-weight pass: only keeps the FSDP collectives in step
-            parts["old"].append((idx, old))
-            if values is not None:
-                parts["values"].append((idx, values))
-            if self.ref is not None:
-                parts["ref"].append((idx, token_logprobs(self.ref, mb, temperature)[0]))
-        if self.teachers:  # frozen, unsharded: each rank runs only its own rows
-            paths = [self.cfg.model.teacher_paths[self.teacher_key(s)] for s in samples]
-            for path, teacher in self.teachers.items():
-                rows = [i for i, p in enumerate(paths) if p == path]
-                for local in micro_batches(
-                    [lengths[i] for i in rows], self.cfg.trainer.micro_batch_tokens
-                ):
-                    idx = [rows[i] for i in local]
-                    logp = token_logprobs(teacher, _select(batch, idx), temperature)[0]
-                    parts["teacher"].append((idx, logp))
-        names = ["old"] + [
-            name
-            for name, used in (
-                ("ref", self.ref is not None),
-                ("values", self.critic is not None),
-                ("teacher", bool(self.teachers)),
-            )
-            if used
-        ]
-        return {name: _scatter(parts[name], batch.mask) for name in names}
+        """:func:`~trident.train.recompute.recompute` of this rank's rows with its models."""
+        paths = self.cfg.model.teacher_paths
+        teacher_paths = [paths[self.adv.teacher_key(s)] for s in samples] if self.teachers else []
+        return recompute(
+            batch,
+            self.model,
+            ref=self.ref,
+            critic=self.critic,
+            teachers=self.teachers,
+            teacher_paths=teacher_paths,
+            temperature=self.cfg.rollout.temperature or 1.0,
+            token_budget=self.cfg.trainer.micro_batch_tokens,
+            world=self.world,
+            device=self.device,
+            skip=skip or (),
+        )
 
     def _gather(
         self, local: dict[str, torch.Tensor], mine: list[int], shape: torch.Size
     ) -> dict[str, torch.Tensor]:
-        """The whole batch's [B, T] grids (on CPU) of the quantities the advantage needs: each
-        rank fills its rows of a zero grid and one all_reduce sums them."""
-        a = self.cfg.algo
-        names = [n for n in ("ref", "values", "teacher") if n in local]
-        if not a.kl_in_reward and self.kl_ctl is None:
-            names = [n for n in names if n != "ref"]
-        if not names:
-            return {}
-        names = ["old", *names]
-        grid = torch.zeros((len(names), *shape), dtype=torch.float32, device=self.device)
-        rows = torch.tensor(mine, device=self.device)
-        for k, name in enumerate(names):
-            values = local[name]
-            grid[k, rows, : values.shape[1]] = values.float()
-        if self.world > 1:
-            dist.all_reduce(grid)
-        return {name: grid[k].cpu() for k, name in enumerate(names)}
+        """The whole batch's [B, T] grids (on CPU) of the quantities the advantages need."""
+        return gather(local, self.adv.grids(local), mine, shape, self.world, self.device)
 
     def _optimizer_step(
         self,
@@ -455,111 +222,41 @@ class PolicyWorker:
     ) -> None:
         """One optimizer step on ``rows``; ``fill_old``: their ``local["old"]`` is not computed
         yet, and is this (pre-step) policy's logprobs from these forward passes."""
-        a, tc = self.cfg.algo, self.cfg.trainer
+        tc, spec = self.cfg.trainer, _loss_spec(self.cfg, self.kl_coef)
         temperature = self.cfg.rollout.temperature or 1.0
-        old_logp = local["old"]
-        ref_logp = None if a.kl_in_reward else local.get("ref")  # set: a KL term in the loss
+        old_logp, values_old = local["old"], local.get("values")
+        ref_logp = None if self.cfg.algo.kl_in_reward else local.get("ref")  # a KL loss term
         tokens, seqs = alg.loss_denominators(batch.mask[rows])
         counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)  # global denominators: N ranks equal one
-        g_tokens, g_seqs = int(counts[0]), int(counts[1])
-        agg = dict(global_tokens=g_tokens, global_seqs=g_seqs)
-        norm_tokens = self.cfg.rollout.max_tokens  # Dr. GRPO's L, the same for every loss term
         lengths = batch.attention_mask[rows].sum(1).tolist()
-        for local_idx in self._micro_batches(lengths):
-            dummy = local_idx is None  # zero-weight pass that keeps the FSDP collectives in step
-            idx = [0] if dummy else [rows[i] for i in local_idx]
-            mb = _select(batch, idx)
+        for part in even_micro_batches(lengths, tc.micro_batch_tokens, self.world, self.device):
+            dummy = part is None  # zero-weight pass that keeps the FSDP collectives in step
+            idx = [0] if part is None else [rows[i] for i in part]
+            mb = select_rows(batch, idx)
             logp, entropy = token_logprobs(self.model, mb, temperature, with_entropy=True)
             assert entropy is not None  # asked for with_entropy
             mask, w = mb.mask * (0.0 if dummy else 1.0), mb.mask.shape[1]
             if fill_old and not dummy:
                 old_logp[idx, :w] = logp.detach()
-            old, advantages = old_logp[idx, :w], adv[idx, :w]
-            is_w, mis = None, {}
-            if a.is_level != "none":
-                is_w, mis = alg.importance_weights(
-                    old,
-                    mb.engine_logp,
-                    mask,
-                    level=a.is_level,
-                    mode=a.is_mode,
-                    cap=a.is_cap,
-                    lower=a.is_lower,
-                )
-            loss, m = alg.policy_loss(
-                a.policy_loss, logp, old, advantages, mask,
-                clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, dual_clip_c=a.dual_clip_c,
-                is_weights=is_w, aggregation=a.aggregation, loss_scale_tokens=norm_tokens, **agg,
+            out = rl_loss(
+                spec, logp, entropy, old_logp[idx, :w], adv[idx, :w], mask, mb.engine_logp,
+                global_tokens=int(counts[0]), global_seqs=int(counts[1]),
+                ref_logp=ref_logp[idx, :w] if ref_logp is not None else None,
+                values=token_values(self.critic, mb) if self.critic is not None else None,
+                old_values=values_old[idx, :w] if values_old is not None else None,
+                returns=returns[idx, :w] if returns is not None else None,
             )  # fmt: skip
-            if a.entropy_coef > 0:
-                bonus = alg.entropy_bonus(
-                    entropy, mask, a.aggregation, norm_tokens=norm_tokens, **agg
-                )
-                loss = loss - a.entropy_coef * bonus
-            if ref_logp is not None:
-                kl = alg.kl_estimate(logp, ref_logp[idx, :w], a.kl_estimator)
-                kl_term = alg.aggregate(kl, mask, a.aggregation, norm_tokens=norm_tokens, **agg)
-                loss = loss + self.kl_coef * kl_term
-                sums["kl_ref"] += float((kl.detach() * mask).sum())
-            (loss * self.world).backward()  # FSDP averages gradients over ranks; losses are sums
-            if self.critic is not None:
-                assert returns is not None  # the critic's targets come with it
-                values = token_values(self.critic, mb)
-                vloss, vm = alg.value_loss(
-                    values,
-                    local["values"][idx, :w],
-                    returns[idx, :w],
-                    mask,
-                    clip=a.value_clip,
-                    global_tokens=g_tokens,
-                )
-                (vloss * self.world).backward()
-                sums["value_loss"] += float(vloss.detach())
-                sums["value_clip_fraction"] += float(vm["value_clip_fraction"]) * float(mask.sum())
-            if dummy:
-                continue
-            n = float(mask.sum())
-            sums["tokens"] += n
-            sums["loss"] += float(loss.detach())
-            sums["entropy"] += float((entropy.detach() * mask).sum())
-            for key in ("clip_fraction", "ratio_mean", "approx_kl"):
-                sums[key] += float(m[key]) * n
-            for key, value in mis.items():
-                sums[key] = (
-                    max(sums[key], float(value))
-                    if key.endswith("_max")
-                    else sums[key] + float(value) * n
-                )
+            # FSDP averages gradients over ranks; the losses are each rank's share of a sum
+            (out.policy * self.world).backward()
+            if out.value is not None:
+                (out.value * self.world).backward()
+            if not dummy:
+                add_sums(sums, out.sums)
         sums["grad_norm"] += _clip_and_step(self.model, self.opt, tc.grad_clip)
         if self.critic is not None:
             sums["critic_grad_norm"] += _clip_and_step(self.critic, self.critic_opt, tc.grad_clip)
         sums["optimizer_steps"] += 1
-
-    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        keys = sorted(sums)
-        t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
-        maxima = [k for k in keys if k.endswith("_max")]
-        dist.all_reduce(t)
-        maximum_values: list[float] = []
-        if maxima:
-            mx = torch.tensor([sums[k] for k in maxima], dtype=torch.float64, device=self.device)
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-            maximum_values = mx.tolist()
-        total = dict(zip(keys, t.tolist(), strict=True))
-        tokens = max(total.pop("tokens", 0.0), 1.0)
-        steps = total.pop("optimizer_steps") / self.world
-        out: dict[str, float] = {"lr": float(self.sched.get_last_lr()[0])}
-        for key in ("loss", "value_loss"):  # each rank's share of the batch loss: sum, per step
-            if key in total:
-                out[key] = total.pop(key) / steps
-        for key in ("grad_norm", "critic_grad_norm"):  # the same global norm on every rank
-            if key in total:
-                out[key] = total.pop(key) / (steps * self.world)
-        for k, v in total.items():
-            out[k] = v / tokens
-        out.update(zip(maxima, maximum_values, strict=True))
-        return out
 
     # -- weight sync ---------------------------------------------------------------------------
 
@@ -658,9 +355,7 @@ class PolicyWorker:
         extra = {
             "sched": self.sched.state_dict(),
             "critic_sched": self.critic_sched.state_dict() if self.critic is not None else None,
-            "kl_ctl": dict(vars(self.kl_ctl)) if self.kl_ctl is not None else None,
-            "baseline_state": self.baseline_state,
-            "prompt_ids": self._prompt_ids,
+            **self.adv.state_dict(),  # kl_ctl, baseline_state, prompt_ids
             "torch_rng": torch.get_rng_state(),
         }
         fsdp.save_training_state(Path(out_dir) / "trainer", self._stateful(), extra)
@@ -672,10 +367,7 @@ class PolicyWorker:
         self.sched.load_state_dict(extra["sched"])
         if self.critic is not None and extra["critic_sched"] is not None:
             self.critic_sched.load_state_dict(extra["critic_sched"])
-        if self.kl_ctl is not None and extra["kl_ctl"] is not None:
-            vars(self.kl_ctl).update(extra["kl_ctl"])
-        self.baseline_state = extra["baseline_state"]
-        self._prompt_ids = extra["prompt_ids"]
+        self.adv.load_state_dict(extra)
         torch.set_rng_state(extra["torch_rng"])
 
     def release(self) -> None:
@@ -697,15 +389,77 @@ def _clip_and_step(model: torch.nn.Module, opt: torch.optim.Optimizer, max_norm:
     return float(grad_norm)
 
 
-def _explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over valid tokens; 1 = perfect critic, 0 = no better than a
-    constant; NaN-free (0 when the returns do not vary)."""
-    var_returns = float(alg.masked_mean((returns - alg.masked_mean(returns, mask)) ** 2, mask))
-    residual = returns - values
-    var_residual = float(alg.masked_mean((residual - alg.masked_mean(residual, mask)) ** 2, mask))
-    if var_returns <= 1e-12 or not math.isfinite(var_residual):
-        return 0.0
-    return 1.0 - var_residual / var_returns
+def _per_sample(
+    mine: list[int],
+    full_mask: torch.Tensor,
+    adv_all: torch.Tensor,
+    m: torch.Tensor,
+    engine_logp: torch.Tensor,
+    old: torch.Tensor,
+    world: int,
+) -> list[list[float]]:
+    """[mean advantage, mean |engine logp - trainer logp|] per sample over its loss tokens;
+    each rank fills its own rows of the mismatch and one all_reduce sums them."""
+    tokens = full_mask.sum(1).clamp(min=1)
+    advantage = (adv_all * full_mask).sum(1) / tokens
+    gap = torch.zeros(len(full_mask), device=old.device)
+    rows = torch.tensor(mine, device=old.device, dtype=torch.long)
+    gap[rows] = ((old - engine_logp).abs() * m).sum(1) / m.sum(1).clamp(min=1)
+    if world > 1:
+        dist.all_reduce(gap)
+    return torch.stack([advantage.float().cpu(), gap.float().cpu()], 1).tolist()
+
+
+def _loss_spec(cfg: TridentConfig, kl_coef: float) -> LossSpec:
+    """The step's settings of :func:`~trident.algorithms.rl_loss.rl_loss`."""
+    a = cfg.algo
+    return LossSpec(
+        policy_loss=a.policy_loss,
+        clip_eps_low=a.clip_eps_low,
+        clip_eps_high=a.clip_eps_high,
+        dual_clip_c=a.dual_clip_c,
+        aggregation=a.aggregation,
+        norm_tokens=cfg.rollout.max_tokens,  # Dr. GRPO's L, the same for every term
+        is_level=a.is_level,
+        is_mode=a.is_mode,
+        is_cap=a.is_cap,
+        is_lower=a.is_lower,
+        entropy_coef=a.entropy_coef,
+        kl_coef=kl_coef,
+        kl_estimator=a.kl_estimator,
+        value_clip=a.value_clip,
+    )
+
+
+def _reduce_metrics(
+    sums: dict[str, float], lr: float, world: int, device: torch.device
+) -> dict[str, float]:
+    """The step's metrics from every rank's sums (collective): the losses per optimizer step,
+    the gradient norms as they are (the same on every rank), maxima as maxima, and the rest as
+    token means."""
+    keys = sorted(sums)
+    t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
+    maxima = [k for k in keys if k.endswith("_max")]
+    dist.all_reduce(t)
+    maximum_values: list[float] = []
+    if maxima:
+        mx = torch.tensor([sums[k] for k in maxima], dtype=torch.float64, device=device)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        maximum_values = mx.tolist()
+    total = dict(zip(keys, t.tolist(), strict=True))
+    tokens = max(total.pop("tokens", 0.0), 1.0)
+    steps = total.pop("optimizer_steps") / world
+    out: dict[str, float] = {"lr": lr}
+    for key in ("loss", "value_loss"):  # each rank's share of the batch loss: sum, per step
+        if key in total:
+            out[key] = total.pop(key) / steps
+    for key in ("grad_norm", "critic_grad_norm"):  # the same global norm on every rank
+        if key in total:
+            out[key] = total.pop(key) / (steps * world)
+    for k, v in total.items():
+        out[k] = v / tokens
+    out.update(zip(maxima, maximum_values, strict=True))
+    return out
 
 
 def _check_same_vocabulary(tokenizer, student_path: str, teacher_path: str) -> None:
@@ -717,21 +471,3 @@ def _check_same_vocabulary(tokenizer, student_path: str, teacher_path: str) -> N
             f"{student_path}: on-policy distillation scores the student's token ids with the "
             "teacher, so both must share one tokenizer"
         )
-
-
-def _select(batch: Batch, idx: list[int]) -> Batch:
-    width = int(batch.attention_mask[idx].sum(1).max())
-    return Batch(
-        batch.input_ids[idx, :width],
-        batch.attention_mask[idx, :width],
-        batch.mask[idx, : width - 1],
-        batch.engine_logp[idx, : width - 1],
-        batch.versions[idx, : width - 1],
-    )
-
-
-def _scatter(parts: list[tuple[list[int], torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros_like(like)
-    for idx, values in parts:
-        out[idx, : values.shape[1]] = values
-    return out

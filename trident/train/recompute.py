@@ -1,0 +1,173 @@
+"""Recompute: the per-token quantities of the models a rank holds, with no gradient, and the
+sharding and micro-batching that keep the ranks in step.
+
+Given the step's samples (the same list on every rank), each rank takes its shard (:func:`shard`)
+and scores its rows with every model the configuration holds (:func:`recompute`): the logprobs
+of the policy about to be updated (the PPO "old" policy; in sync mode the sampler's weights, so
+the engine-vs-trainer gap measured here is pure numerical mismatch), of the frozen reference,
+of each row's teacher, and the critic's values. :func:`gather` then sums the ranks' rows into
+[B, T] grids of the whole batch, so the advantages see whole groups.
+
+Logits are divided by the sampling temperature, so the trainer's policy is the distribution the
+engine sampled from (the server reports processed logprobs); the reference and teachers are
+scored at the same temperature, so every KL compares the same kind of distribution. ``top_p`` < 1
+is not modelled.
+
+Every FSDP2 forward and backward is a collective, so every rank runs the same number of
+micro-batches (:func:`even_micro_batches`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from trident.train.batch import Batch, micro_batches
+from trident.train.critic import token_values
+
+
+def token_logprobs(
+    model: torch.nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token logprobs [B, T-1] of ``batch.input_ids[:, 1:]`` (and entropies if asked)."""
+    logits = (
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    )
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def shard(n: int, mini_batches: int, rank: int, world: int) -> tuple[list[int], list[list[int]]]:
+    """This rank's samples of ``n`` and its rows of each mini-batch. Mini-batch k is
+    samples[k::M] whatever the world size, and each rank takes every world-th sample of it, so N
+    ranks train on the same mini-batches as one (with M = 1 the shard is samples[rank::world])."""
+    mine: list[int] = []
+    chunks: list[list[int]] = []
+    for k in range(mini_batches):
+        part = list(range(k, n, mini_batches))[rank::world]
+        chunks.append(list(range(len(mine), len(mine) + len(part))))
+        mine += part
+    return mine, chunks
+
+
+def even_micro_batches(
+    lengths: list[int], token_budget: int, world: int, device: torch.device
+) -> list[list[int] | None]:
+    """``micro_batches`` by token budget, made equally many on every rank (collective when
+    ``world`` > 1). A rank with fewer splits its largest micro-batches, then pads with ``None``
+    (a zero-weight pass)."""
+    groups = micro_batches(lengths, token_budget)
+    if world == 1:
+        return list(groups)
+    count = torch.tensor([len(groups)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    out: list[list[int] | None] = list(groups)
+    while len(out) < int(count) and any(g is not None and len(g) > 1 for g in out):
+        largest = max(range(len(out)), key=lambda i: len(out[i] or []))
+        g = out.pop(largest)
+        assert g is not None  # the largest has more than one sample
+        out += [g[: len(g) // 2], g[len(g) // 2 :]]
+    return out + [None] * (int(count) - len(out))
+
+
+@torch.no_grad()
+def recompute(
+    batch: Batch,
+    policy: torch.nn.Module,
+    *,
+    ref: torch.nn.Module | None,
+    critic: torch.nn.Module | None,
+    teachers: Mapping[str, torch.nn.Module],
+    teacher_paths: Sequence[str],
+    temperature: float,
+    token_budget: int,
+    world: int,
+    device: torch.device,
+    skip: Sequence[int] = (),
+) -> dict[str, torch.Tensor]:
+    """Per-token quantities of this rank's rows [b, T] with no gradient: ``old`` (policy
+    logprobs), ``ref``, ``values`` (critic), ``teacher`` (each row's teacher: ``teachers`` by
+    path, ``teacher_paths`` the path of each row). Rows in ``skip`` are left at zero (their
+    ``old`` is filled by the first optimizer step)."""
+    lengths = batch.attention_mask.sum(1).tolist()
+    todo = sorted(set(range(len(lengths))) - set(skip))
+    parts: dict[str, list] = defaultdict(list)
+    for part in even_micro_batches([lengths[i] for i in todo], token_budget, world, device):
+        idx = None if part is None else [todo[i] for i in part]
+        mb = select_rows(batch, idx if idx is not None else [0])
+        old = token_logprobs(policy, mb, temperature)[0]
+        values = token_values(critic, mb) if critic is not None else None
+        if idx is None:
+            continue  # a zero-weight pass: only keeps the FSDP collectives in step
+        parts["old"].append((idx, old))
+        if values is not None:
+            parts["values"].append((idx, values))
+        if ref is not None:
+            parts["ref"].append((idx, token_logprobs(ref, mb, temperature)[0]))
+    # frozen, unsharded: each rank runs only its own rows
+    for path, teacher in teachers.items():
+        rows = [i for i, p in enumerate(teacher_paths) if p == path]
+        for local in micro_batches([lengths[i] for i in rows], token_budget):
+            idx = [rows[i] for i in local]
+            logp = token_logprobs(teacher, select_rows(batch, idx), temperature)[0]
+            parts["teacher"].append((idx, logp))
+    names = ["old"]
+    if ref is not None:
+        names.append("ref")
+    if critic is not None:
+        names.append("values")
+    if teachers:
+        names.append("teacher")
+    return {name: scatter_rows(parts[name], batch.mask) for name in names}
+
+
+def gather(
+    local: Mapping[str, torch.Tensor],
+    names: Sequence[str],
+    mine: list[int],
+    shape: torch.Size,
+    world: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """The whole batch's [B, T] grids (on CPU) of ``names`` from each rank's ``local`` rows:
+    each rank fills its rows of a zero grid and one all_reduce sums them. The grids are [B, T]
+    floats: a few MB even at a 512 x 8k batch, far below a forward pass."""
+    if not names:
+        return {}
+    grid = torch.zeros((len(names), *shape), dtype=torch.float32, device=device)
+    rows = torch.tensor(mine, device=device)
+    for k, name in enumerate(names):
+        values = local[name]
+        grid[k, rows, : values.shape[1]] = values.float()
+    if world > 1:
+        dist.all_reduce(grid)
+    return {name: grid[k].cpu() for k, name in enumerate(names)}
+
+
+def select_rows(batch: Batch, idx: list[int]) -> Batch:
+    """Rows ``idx`` of ``batch``, cut to their longest row."""
+    width = int(batch.attention_mask[idx].sum(1).max())
+    return Batch(
+        batch.input_ids[idx, :width],
+        batch.attention_mask[idx, :width],
+        batch.mask[idx, : width - 1],
+        batch.engine_logp[idx, : width - 1],
+        batch.versions[idx, : width - 1],
+    )
+
+
+def scatter_rows(parts: list[tuple[list[int], torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
+    """A zero grid like ``like`` with each part's values in its rows."""
+    out = torch.zeros_like(like)
+    for idx, values in parts:
+        out[idx, : values.shape[1]] = values
+    return out
