@@ -391,7 +391,9 @@ def test_a_dropped_connection_resumes_from_what_came_back() -> None:
         fleet = SimFleet([server])
         stats = RolloutStats()
         partial = PartialRollout(fleet, WeightGate(fleet), Trace(), stats)
-        completion = await partial.sample([0] * 8, SamplingParams(max_tokens=100), PartialResponse())
+        completion = await partial.sample(
+            [0] * 8, SamplingParams(max_tokens=100), PartialResponse()
+        )
         return len(completion.token_ids), stats
 
     length, stats = run_virtual(body(2))
