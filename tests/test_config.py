@@ -99,11 +99,11 @@ def test_dry_run_prints_and_starts_nothing(tmp_path):
     assert not any(tmp_path.iterdir())  # no run directory was created
 
 
-def test_readme_config_reference_is_generated():
-    readme = (REPO / "README.md").read_text()
-    block = readme.split(BEGIN, 1)[1].split(END, 1)[0]
+def test_docs_config_reference_is_generated():
+    reference = (REPO / "docs" / "config.md").read_text()
+    block = reference.split(BEGIN, 1)[1].split(END, 1)[0]
     assert block.strip() == render().strip(), (
-        "README config reference is stale: python -m trident.config.docs"
+        "docs/config.md is stale: python -m trident.config.docs"
     )
 
 

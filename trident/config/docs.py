@@ -1,5 +1,5 @@
-"""The config reference in Markdown, generated from the pydantic models (the README embeds it;
-a test keeps the two in sync: regenerate with ``python -m trident.config.docs``)."""
+"""The config reference in Markdown, generated from the pydantic models into ``docs/config.md``
+(a test keeps the two in sync: regenerate with ``python -m trident.config.docs``)."""
 
 from __future__ import annotations
 
@@ -39,8 +39,11 @@ def render() -> str:
     return "\n".join(lines).strip() + "\n"
 
 
-def update_readme(path: str | Path = "README.md") -> bool:
-    """Rewrite the generated block in the README; returns whether it changed."""
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+
+
+def update_reference(path: str | Path = REFERENCE) -> bool:
+    """Rewrite the generated block in ``docs/config.md``; returns whether it changed."""
     path = Path(path)
     text = path.read_text()
     block = f"{BEGIN}\n{render()}{END}"
@@ -50,4 +53,4 @@ def update_readme(path: str | Path = "README.md") -> bool:
 
 
 if __name__ == "__main__":
-    print("README.md updated" if update_readme() else "README.md already up to date")
+    print("docs/config.md updated" if update_reference() else "docs/config.md already up to date")
