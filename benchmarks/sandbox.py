@@ -40,7 +40,7 @@ from pathlib import Path
 
 import psutil
 
-from trident.sandbox.bwrap import _AGENT_SOURCE, BwrapSandbox
+from trident.sandbox.bwrap import AGENT_SOURCE, BwrapSandbox
 from trident.sandbox.pool import SandboxPool
 
 GIB = 1 << 30
@@ -194,7 +194,7 @@ def sessions(n_sessions: int, n_latency: int) -> dict:
             session.close()
     backend = BwrapSandbox()
     plain = subprocess.Popen(
-        [backend.python, "-I", "-S", "-c", _AGENT_SOURCE],
+        [backend.python, "-I", "-S", "-c", AGENT_SOURCE],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )

@@ -22,7 +22,8 @@ from tests.conftest import REPO, run_cli
 from tests.test_sandbox_security import SLACK_S, removing_runtime_dirs
 from trident.sandbox import SandboxResult, SessionClosedError
 from trident.sandbox import cli as sandbox_cli
-from trident.sandbox.bwrap import BwrapSandbox, classify
+from trident.sandbox.base import classify
+from trident.sandbox.bwrap import BwrapSandbox
 from trident.sandbox.pool import SandboxPool
 from trident.sandbox.service import RemoteSandbox
 

@@ -1,4 +1,4 @@
-"""Sandboxes for model-generated code: the seam (``Sandbox``, ``Session``) and the result type.
+"""Sandboxes for model-generated code: ``make_sandbox`` and the seam (``trident.sandbox.base``).
 
 A sandbox runs one untrusted command in a fresh, isolated filesystem and returns a
 ``SandboxResult``; a session keeps one sandbox alive across calls (a Python REPL and a bash shell
@@ -43,12 +43,27 @@ spec                                 backend                                    
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import os
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
+
+from trident.sandbox.base import (
+    STATUSES,
+    BlockingClient,
+    BlockingSession,
+    HttpSandboxClient,
+    InfraError,
+    Sandbox,
+    SandboxResult,
+    SandboxStatus,
+    Session,
+    SessionClosedError,
+    SessionKind,
+    as_bytes,
+    check_relpath,
+    classify,
+    validate_run_args,
+)
 
 if TYPE_CHECKING:  # loaded lazily by __getattr__ below
     from trident.sandbox.bwrap import BwrapConfig, BwrapSandbox
@@ -56,138 +71,6 @@ if TYPE_CHECKING:  # loaded lazily by __getattr__ below
     from trident.sandbox.pool import SandboxPool
     from trident.sandbox.sandboxfusion import SandboxFusionSandbox
     from trident.sandbox.service import RemoteSandbox
-
-SandboxStatus = Literal["ok", "timeout", "oom", "killed", "error"]
-SessionKind = Literal["python", "bash"]
-
-STATUSES: tuple[str, ...] = ("ok", "timeout", "oom", "killed", "error")
-
-
-class InfraError(RuntimeError):
-    """The sandbox infrastructure failed (not the model's code): mark the sample ``infra_error``."""
-
-
-class SessionClosedError(RuntimeError):
-    """``exec`` on a session that was closed, expired (TTL) or killed by an earlier timeout."""
-
-
-@dataclass(frozen=True)
-class SandboxResult:
-    """What one command (or one session call) did.
-
-    ``stdout``/``stderr`` are decoded as UTF-8 (invalid bytes replaced) and capped; ``truncated``
-    is True when either stream was cut at the cap. ``exit_code`` is None when the program did not
-    exit by itself (timeout, sandbox error); a program killed by signal N reports 128 + N.
-    """
-
-    status: SandboxStatus
-    exit_code: int | None
-    stdout: str
-    stderr: str
-    duration_s: float
-    truncated: bool = False
-
-    @property
-    def passed(self) -> bool:
-        """Ran to completion and exited 0."""
-        return self.status == "ok" and self.exit_code == 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SandboxResult:
-        status = data["status"]
-        if status not in STATUSES:
-            raise ValueError(f"unknown sandbox status {status!r}")
-        return cls(
-            status=status,
-            exit_code=data.get("exit_code"),
-            stdout=str(data.get("stdout", "")),
-            stderr=str(data.get("stderr", "")),
-            duration_s=float(data.get("duration_s", 0.0)),
-            truncated=bool(data.get("truncated", False)),
-        )
-
-    @classmethod
-    def infra_error(cls, message: str, duration_s: float = 0.0) -> SandboxResult:
-        """A result for a sandbox that could not run the command at all."""
-        return cls("error", None, "", message, duration_s, False)
-
-
-@runtime_checkable
-class Session(Protocol):
-    """One long-lived sandbox holding a Python REPL and a bash shell that share ``/sandbox``."""
-
-    id: str
-
-    def exec(
-        self, code: str, *, kind: SessionKind = "python", timeout_s: float = 30.0
-    ) -> SandboxResult:
-        """Called per tool call from synchronous code: run ``code`` in the session's REPL or shell.
-
-        State (Python globals, shell variables, cwd, files) persists between calls. A call that
-        times out kills the session; later calls raise ``SessionClosedError``.
-        """
-        ...
-
-    async def exec_async(
-        self, code: str, *, kind: SessionKind = "python", timeout_s: float = 30.0
-    ) -> SandboxResult:
-        """Called per tool call from asyncio code (agent loops); same contract as ``exec``."""
-        ...
-
-    def close(self) -> None:
-        """Called when the episode ends (or by ``with``/the finaliser): kill the sandbox. Idempotent."""
-        ...
-
-
-@runtime_checkable
-class Sandbox(Protocol):
-    """Runs untrusted commands in fresh sandboxes and opens stateful sessions."""
-
-    def run(
-        self,
-        cmd: list[str],
-        *,
-        stdin: str | bytes = b"",
-        files: Mapping[str, str | bytes] | None = None,
-        timeout_s: float = 10.0,
-        memory_mb: int = 1024,
-        env: Mapping[str, str] | None = None,
-    ) -> SandboxResult:
-        """Called from synchronous code (CLI, scripts) to run ``cmd`` once in a fresh sandbox.
-
-        ``files`` are written into the work directory ``/sandbox`` (the cwd) before ``cmd`` starts;
-        ``stdin`` is fed to it. Never raises for anything the command does; infrastructure
-        failures come back as status ``error``.
-        """
-        ...
-
-    async def run_async(
-        self,
-        cmd: list[str],
-        *,
-        stdin: str | bytes = b"",
-        files: Mapping[str, str | bytes] | None = None,
-        timeout_s: float = 10.0,
-        memory_mb: int = 1024,
-        env: Mapping[str, str] | None = None,
-    ) -> SandboxResult:
-        """Called from asyncio code (reward functions) for each command; same contract as ``run``."""
-        ...
-
-    def open_session(self, *, ttl_s: float = 600.0, memory_mb: int = 1024) -> Session:
-        """Called when an episode needs state across tool calls. Returns at once; the sandbox is
-        started (or taken from the warm pool) by the first ``exec``. The session is killed after
-        ``ttl_s`` seconds without a call, on ``close()``, or when its handle is garbage-collected.
-        """
-        ...
-
-    def close(self) -> None:
-        """Called once by the owner at shutdown: kill every sandbox and session it started."""
-        ...
-
 
 SANDBOX_ENV = "TRIDENT_SANDBOX"
 
@@ -269,29 +152,6 @@ class EpisodeSandbox:
             await asyncio.to_thread(sandbox.close)
 
 
-class BlockingClient:
-    """For backends whose ``run`` blocks (HTTP and SDK clients): ``run_async`` runs it on the
-    backend's own thread pool, ``self._executor``."""
-
-    _executor: concurrent.futures.Executor
-
-    async def run_async(
-        self,
-        cmd: list[str],
-        *,
-        stdin: str | bytes = b"",
-        files: Mapping[str, str | bytes] | None = None,
-        timeout_s: float = 10.0,
-        memory_mb: int = 1024,
-        env: Mapping[str, str] | None = None,
-    ) -> SandboxResult:
-        call = functools.partial(
-            self.run,  # type: ignore[attr-defined]
-            cmd, stdin=stdin, files=files, timeout_s=timeout_s, memory_mb=memory_mb, env=env,
-        )  # fmt: skip
-        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
-
-
 def __getattr__(name: str) -> Any:
     # Implementations load lazily: importing the seam must not import aiohttp/httpx.
     if name in ("SandboxPool",):
@@ -319,6 +179,13 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "STATUSES",
+    "BlockingClient",
+    "BlockingSession",
+    "HttpSandboxClient",
+    "as_bytes",
+    "check_relpath",
+    "classify",
+    "validate_run_args",
     "BwrapConfig",
     "BwrapSandbox",
     "E2BSandbox",

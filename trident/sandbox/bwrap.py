@@ -1,7 +1,8 @@
 """Bubblewrap backend: how one sandbox is built, started, limited, killed and classified.
 
 Owns the bwrap command line, the resource limits, the wall-clock kill, the output caps, the
-status heuristics, and the in-sandbox agent that serves stateful sessions.
+status heuristics, and the host side of the in-sandbox agent that serves stateful sessions
+(the agent itself is ``_agent_main.py``; the started process is ``bwrap_process.BwrapProcess``).
 
 Isolation (one fresh set of namespaces per sandbox)::
 
@@ -39,11 +40,11 @@ world-readable staging directory there (visible to that thread's children only, 
 thread), then drops the thread's own credentials to uid/gid 65534 with no supplementary groups
 (raw ``setgroups``/``setresgid``/``setresuid`` syscalls, which, unlike the libc wrappers, change
 the calling thread only; irreversible: the thread keeps no capability). The host process's
-other threads stay root and keep the host's mount table. No helper process and no launcher
-binaries (``nsenter``, ``setpriv``) sit between the thread and bwrap any more: each was an exec
-+ dynamic link per run, together about half of a run's CPU time (``benchmarks/sandbox.py``). On
-an architecture without a known syscall table the thread still unshares and stages, but the uid
-switch falls back to exec'ing ``setpriv --reuid/--regid 65534 --clear-groups``.
+other threads stay root and keep the host's mount table. The spawner thread execs bwrap
+itself: no launcher binary (``nsenter``, ``setpriv``) sits in between, since each would add an
+exec and a dynamic link to every run (``benchmarks/sandbox.py``). On an architecture without a
+known syscall table the thread still unshares and stages, but the uid switch falls back to
+exec'ing ``setpriv --reuid/--regid 65534 --clear-groups``.
 
 Killing (wall-clock timeout, session close): bwrap reports the pid of the sandbox's init on its
 ``--json-status-fd``; we pin it with a pidfd and SIGKILL it, and the kernel then kills everything
@@ -55,7 +56,7 @@ gap remains: a host process that dies while one of its sandboxes is being starte
 bwrap arms PDEATHSIG, right after it clones the sandbox's init) can orphan it; the orphan still
 has all its rlimits.
 
-Status heuristics (``classify``):
+Status heuristics (``trident.sandbox.base.classify``, shared by every backend):
 - ``error``: bwrap missing/failed before the command started (its ``--json-status-fd`` never
   reported an exit code), or the command does not exist in the sandbox. Nothing the program does
   can produce ``error``: it is decided from facts the program cannot forge.
@@ -87,14 +88,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
-import functools
 import json
 import math
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -102,25 +100,33 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from importlib import resources
+from typing import Any
 
-from trident.sandbox import SandboxResult, SandboxStatus, SessionKind
+from trident.sandbox.base import (
+    SandboxResult,
+    SessionKind,
+    as_bytes,
+    classify,
+    run_coroutine_sync,
+    validate_run_args,
+)
+from trident.sandbox.bwrap_process import (
+    CRED_SYSCALLS,
+    BwrapProcess,
+    CappedReader,
+    close_fds,
+    feed_stdin,
+    stage_spawner_thread,
+)
 
 WORK_DIR = "/sandbox"
-_T = TypeVar("_T")
 
-_OOM_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")
-_SIGNAL_CODES = range(129, 129 + 64)
+# The session agent's program (a file of this package), run as ``python -I -S -c AGENT_SOURCE``.
+AGENT_SOURCE = resources.files("trident.sandbox").joinpath("_agent_main.py").read_text()
 
-# Linux constants (not all exposed by the os module on 3.11).
-_CLONE_NEWNS = 0x00020000
-_MS_BIND = 0x1000
-_MS_REC = 0x4000
-_MS_PRIVATE = 1 << 18
-# Raw syscall numbers of the per-thread credential calls: (setgroups, setresgid, setresuid).
-_CRED_SYSCALLS = {"x86_64": (116, 119, 117), "aarch64": (159, 149, 147)}
 # Host /etc entries copied into the sandbox's /etc (beside a generated passwd and group).
 _HOST_ETC = ("alternatives", "ld.so.cache", "localtime")
 
@@ -152,79 +158,6 @@ class BwrapConfig:
     """After the kill, how long to wait for the output pipes to close before giving up on them."""
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def classify(exit_code: int, stderr: str) -> SandboxStatus:
-    """Status of a program that started and ended by itself (see the module docstring)."""
-    if exit_code == 128 + signal.SIGXCPU:
-        return "timeout"
-    if exit_code != 0 and any(m in stderr[-4096:] for m in _OOM_MARKERS):
-        return "oom"
-    if exit_code in _SIGNAL_CODES:
-        return "killed"
-    return "ok"
-
-
-def _check_relpath(path: str) -> str:
-    norm = os.path.normpath(path)
-    if os.path.isabs(norm) or norm == "." or norm.startswith(".."):
-        raise ValueError(f"sandbox file path must be relative and inside the work dir: {path!r}")
-    return norm
-
-
-def _as_bytes(data: str | bytes) -> bytes:
-    return data.encode() if isinstance(data, str) else bytes(data)
-
-
-def run_coroutine_sync(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Run ``coro`` to completion from synchronous code, even if this thread has a running loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as exc:  # re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="trident-sandbox-sync")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-class _CappedReader:
-    """Drains one pipe to EOF, keeping the first ``cap`` bytes (host memory stays bounded)."""
-
-    def __init__(self, stream: asyncio.StreamReader, cap: int) -> None:
-        self.chunks: list[bytes] = []
-        self.kept = 0
-        self.truncated = False
-        self._stream = stream
-        self._cap = cap
-
-    async def drain(self) -> None:
-        while chunk := await self._stream.read(65536):
-            room = self._cap - self.kept
-            if len(chunk) > room:
-                self.truncated = True
-                chunk = chunk[:room]
-            if chunk:
-                self.chunks.append(chunk)
-                self.kept += len(chunk)
-
-    def text(self) -> str:
-        return b"".join(self.chunks).decode("utf-8", errors="replace")
-
-
 class BwrapSandbox:
     """Starts bubblewrap sandboxes: one-shot ``run``s and session agents (``start_agent``).
 
@@ -238,18 +171,14 @@ class BwrapSandbox:
         self.prlimit_path = shutil.which("prlimit")
         self.python_prefix = os.path.realpath(self.config.python_prefix or sys.base_prefix)
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
-        self.python = os.path.join(self.python_prefix, "bin", f"python{version}")
+        bin_dir = os.path.join(self.python_prefix, "bin")
+        self.python = os.path.join(bin_dir, f"python{version}")
         if not os.path.exists(self.python):
-            self.python = os.path.join(self.python_prefix, "bin", "python3")
-        self.path_dirs = (
-            os.path.join(self.python_prefix, "bin"),
-            "/usr/local/bin",
-            "/usr/bin",
-            "/bin",
-        )
+            self.python = os.path.join(bin_dir, "python3")
+        self.path_dirs = (bin_dir, "/usr/local/bin", "/usr/bin", "/bin")
         self.setpriv_path = shutil.which("setpriv")
         self._as_root = os.geteuid() == 0
-        self._cred_syscalls = _CRED_SYSCALLS.get(platform.machine())
+        self._cred_syscalls = CRED_SYSCALLS.get(platform.machine())
         self._lock = threading.RLock()
         self._spawn_threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._spawner_error: BaseException | None = None
@@ -386,32 +315,11 @@ class BwrapSandbox:
         if not self._as_root:
             return
         try:
-            runtime_dir = self._runtime_dir
-            if runtime_dir is None:
+            if self._runtime_dir is None:
                 raise RuntimeError("the sandbox backend is closed")
-            libc = _libc()
-            stage = os.path.join(runtime_dir, "python").encode()
-            # CLONE_NEWNS implies CLONE_FS: this thread gets its own root/cwd and mount table.
-            if libc.unshare(_CLONE_NEWNS) != 0:
-                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) on the spawner thread")
-            if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
-                raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
-            if libc.mount(self.python_prefix.encode(), stage, None, _MS_BIND | _MS_REC, None) != 0:
-                raise OSError(ctypes.get_errno(), "bind-mount the Python prefix")
-            if self._cred_syscalls is not None:
-                uid = self.config.sandbox_uid
-                ids = (ctypes.c_long(uid),) * 3  # syscall(2) is variadic: pass full words
-                nr_setgroups, nr_setresgid, nr_setresuid = self._cred_syscalls
-                for nr, args in (
-                    (nr_setgroups, (ctypes.c_long(0), ctypes.c_void_p(None))),
-                    (nr_setresgid, ids),
-                    (nr_setresuid, ids),
-                ):
-                    if libc.syscall(ctypes.c_long(nr), *args) != 0:
-                        raise OSError(ctypes.get_errno(), "drop the spawner thread's credentials")
-                # getres[ug]id/getgroups are plain syscalls: they report this thread's credentials.
-                if os.getresuid() != (uid,) * 3 or os.getresgid() != (uid,) * 3 or os.getgroups():
-                    raise RuntimeError("the spawner thread did not drop to the sandbox uid")
+            stage = os.path.join(self._runtime_dir, "python")
+            uid, syscalls = self.config.sandbox_uid, self._cred_syscalls
+            stage_spawner_thread(self.python_prefix, stage, uid, syscalls)
         except BaseException as exc:
             self._spawner_error = exc
             raise
@@ -430,9 +338,9 @@ class BwrapSandbox:
 
     async def _spawn(
         self, argv: list[str], pass_fds: tuple[int, ...], status_r: int, limit: int = 1 << 16
-    ) -> _Bwrap:
+    ) -> BwrapProcess:
         """Start bwrap (``argv``). The ``pass_fds`` are closed here once the child holds them; on
-        success the returned ``_Bwrap`` owns ``status_r``, on failure the caller still does.
+        success the returned ``BwrapProcess`` owns ``status_r``, on failure the caller still does.
 
         The spawn is a vfork + exec (no ``preexec_fn``: a fork of a host process that has torch
         loaded costs tens of ms) and runs on the backend's spawner threads (set up by
@@ -466,10 +374,10 @@ class BwrapSandbox:
             # Our copies would keep the status pipe open after bwrap exits; close them once the
             # child holds its own (not before: the fork may still be running on its thread).
             if started.done():
-                _close_all(pass_fds)
+                close_fds(pass_fds)
             else:
-                started.add_done_callback(lambda _: _close_all(pass_fds))
-        return await _Bwrap.attach(proc, status_r, limit)
+                started.add_done_callback(lambda _: close_fds(pass_fds))
+        return await BwrapProcess.attach(proc, status_r, limit)
 
     async def _stop_started(self, started: asyncio.Future[subprocess.Popen], status_r: int) -> None:
         """Stop a bwrap whose start completes after its caller was cancelled (so that a closing
@@ -479,7 +387,7 @@ class BwrapSandbox:
         except Exception:
             os.close(status_r)
             return
-        sandbox = await _Bwrap.attach(proc, status_r, 1 << 16)
+        sandbox = await BwrapProcess.attach(proc, status_r, 1 << 16)
         await sandbox.stop(self.config.setup_timeout_s, self.config.kill_grace_s)
         sandbox.close_pipes()
 
@@ -523,12 +431,8 @@ class BwrapSandbox:
         env: Mapping[str, str] | None = None,
     ) -> SandboxResult:
         """Run ``cmd`` once in a fresh sandbox; see ``trident.sandbox.Sandbox.run``."""
-        if not cmd:
-            raise ValueError("empty command")
-        if timeout_s <= 0 or memory_mb <= 0:
-            raise ValueError("timeout_s and memory_mb must be positive")
-        files = {_check_relpath(k): _as_bytes(v) for k, v in (files or {}).items()}
-        problem = self.unavailable() or self._resolve(cmd[0], files)
+        blobs = validate_run_args(cmd, files, timeout_s, memory_mb)
+        problem = self.unavailable() or self._resolve(cmd[0], blobs)
         if problem:
             return SandboxResult.infra_error(problem)
         base = self._prepare()
@@ -548,13 +452,13 @@ class BwrapSandbox:
             status_r, status_w = os.pipe()
             child_fds.append(status_w)
             file_args: list[str] = []
-            for rel in sorted(files):
+            for rel in sorted(blobs):
                 parent = os.path.dirname(rel)
                 if parent:
                     file_args += ["--dir", f"{WORK_DIR}/{parent}"]
                 fd = os.memfd_create("sandbox-file")
                 child_fds.append(fd)
-                view = memoryview(files[rel])
+                view = memoryview(blobs[rel])
                 while view:
                     view = view[os.write(fd, view) :]
                 os.lseek(fd, 0, os.SEEK_SET)
@@ -569,16 +473,16 @@ class BwrapSandbox:
                 if fd >= 0:
                     os.close(fd)
             return SandboxResult.infra_error(f"sandbox failed to start: {exc}")
-        return await self._execute(sandbox, _as_bytes(stdin), timeout_s, start)
+        return await self._execute(sandbox, as_bytes(stdin), timeout_s, start)
 
     async def _execute(
-        self, sandbox: _Bwrap, stdin: bytes, timeout_s: float, start: float
+        self, sandbox: BwrapProcess, stdin: bytes, timeout_s: float, start: float
     ) -> SandboxResult:
         """Feed, drain, wait (wall-clock limit), stop and classify one run."""
         cap = self.config.max_output_bytes
-        out, err = _CappedReader(sandbox.stdout, cap), _CappedReader(sandbox.stderr, cap)
+        out, err = CappedReader(sandbox.stdout, cap), CappedReader(sandbox.stderr, cap)
         readers = [asyncio.ensure_future(out.drain()), asyncio.ensure_future(err.drain())]
-        feeder = asyncio.ensure_future(_feed(sandbox.stdin, stdin))
+        feeder = asyncio.ensure_future(feed_stdin(sandbox.stdin, stdin))
         finished = False
         try:
             finished = await sandbox.wait(timeout_s)
@@ -618,7 +522,7 @@ class BwrapSandbox:
         cap = self.config.max_output_bytes
         status_r, status_w = os.pipe()
         argv = [self.bwrap_path, *base, "--json-status-fd", str(status_w)]
-        argv += [*self._tail_args(None), "--", self.python, "-I", "-S", "-c", _AGENT_SOURCE]
+        argv += [*self._tail_args(None), "--", self.python, "-I", "-S", "-c", AGENT_SOURCE]
         try:
             # A reply line holds two capped streams, JSON-escaped (up to 6 bytes per input byte).
             sandbox = await self._spawn(argv, (status_w,), status_r, limit=12 * cap + (1 << 16))
@@ -646,163 +550,6 @@ class BwrapSandbox:
             threads.shutdown(wait=False)
 
 
-async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
-    with contextlib.suppress(ConnectionError, BrokenPipeError):
-        if data:
-            writer.write(data)
-            await writer.drain()
-        writer.close()
-
-
-def _close_all(fds: tuple[int, ...]) -> None:
-    for fd in fds:
-        os.close(fd)
-
-
-def _pidfd_open(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except ProcessLookupError:
-        return None
-
-
-class _Bwrap:
-    """One started bwrap: its pipes, its ``--json-status-fd`` records, and a complete stop.
-
-    bwrap writes ``{"child-pid": N}`` right after cloning the sandbox's first process (the init of
-    its pid namespace) and ``{"exit-code": N}`` only if the command was exec'd. The init is pinned
-    with a pidfd as soon as it is named, and ``stop`` SIGKILLs it (then bwrap): when a pid
-    namespace's init dies the kernel kills everything in it. Killing bwrap alone is not enough
-    while the sandbox is being built - bwrap arms ``--die-with-parent`` in the init only after the
-    mounts, so a bwrap killed earlier would orphan a half-built sandbox. bwrap's exit is observed
-    through a pidfd, and it is reaped here (no asyncio child watcher, no thread per process).
-    """
-
-    def __init__(self, proc: subprocess.Popen, status_r: int) -> None:
-        self.proc = proc
-        self.exit_code: int | None = None
-        self.stdin: asyncio.StreamWriter
-        self.stdout: asyncio.StreamReader
-        self.stderr: asyncio.StreamReader
-        self._transports: list[asyncio.BaseTransport] = []
-        self._loop = asyncio.get_running_loop()
-        self._status_r: int | None = status_r
-        self._buf = b""
-        self._init_pidfd: int | None = None
-        self._named = asyncio.Event()  # the init's pid is known, or bwrap is gone
-        self._exited: asyncio.Future[None] = self._loop.create_future()
-        os.set_blocking(status_r, False)
-        self._loop.add_reader(status_r, self._read_status)
-        self._bwrap_pidfd = _pidfd_open(proc.pid)
-        if self._bwrap_pidfd is None:
-            self._on_exit()
-        else:
-            self._loop.add_reader(self._bwrap_pidfd, self._on_exit)
-
-    @classmethod
-    async def attach(cls, proc: subprocess.Popen, status_r: int, limit: int) -> _Bwrap:
-        """Wrap a started bwrap and connect its pipes to this event loop."""
-        self = cls(proc, status_r)
-        loop = self._loop
-        assert proc.stdin and proc.stdout and proc.stderr
-        try:
-            streams = []
-            for pipe in (proc.stdout, proc.stderr):
-                reader = asyncio.StreamReader(limit=limit)
-                transport, _ = await loop.connect_read_pipe(
-                    lambda r=reader: asyncio.StreamReaderProtocol(r), pipe
-                )
-                self._transports.append(transport)
-                streams.append(reader)
-            self.stdout, self.stderr = streams
-            transport, protocol = await loop.connect_write_pipe(
-                lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), proc.stdin
-            )
-            self._transports.append(transport)
-            self.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
-        except BaseException:
-            proc.stdin.close()
-            await asyncio.shield(self.stop(0.0, 1.0))
-            self.close_pipes()
-            raise
-        return self
-
-    @property
-    def running(self) -> bool:
-        return not self._exited.done()
-
-    def _on_exit(self) -> None:
-        if self._bwrap_pidfd is not None:
-            self._loop.remove_reader(self._bwrap_pidfd)
-        self._read_status()  # bwrap wrote its records before exiting
-        self.proc.poll()  # reap it
-        if not self._exited.done():
-            self._exited.set_result(None)
-        self._named.set()
-
-    def _read_status(self) -> None:
-        while self._status_r is not None:
-            try:
-                chunk = os.read(self._status_r, 65536)
-            except BlockingIOError:
-                return
-            if not chunk:  # every writer is gone
-                self._close_status()
-                self._named.set()
-                return
-            *lines, self._buf = (self._buf + chunk).split(b"\n")
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if "child-pid" in record and self._init_pidfd is None and self.running:
-                    self._init_pidfd = _pidfd_open(int(record["child-pid"]))
-                    self._named.set()
-                if "exit-code" in record:
-                    self.exit_code = int(record["exit-code"])
-
-    def _close_status(self) -> None:
-        if self._status_r is not None:
-            self._loop.remove_reader(self._status_r)
-            os.close(self._status_r)
-            self._status_r = None
-
-    async def wait(self, timeout_s: float | None) -> bool:
-        """Wait for bwrap to exit (the command ended, or the sandbox died); False on timeout."""
-        try:
-            await asyncio.wait_for(asyncio.shield(self._exited), timeout_s)
-        except TimeoutError:
-            return False
-        return True
-
-    async def stop(self, setup_timeout_s: float, grace_s: float) -> None:
-        """Kill the sandbox and everything in it, reap bwrap, release every fd. Idempotent."""
-        if self.running and not self._named.is_set():
-            # Being built: wait until the init is named (or bwrap gives up) before killing.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._named.wait(), setup_timeout_s)
-        if self._init_pidfd is not None:
-            with contextlib.suppress(OSError):
-                signal.pidfd_send_signal(self._init_pidfd, signal.SIGKILL)
-            await self.wait(grace_s)  # bwrap reaps its init and exits: no orphaned zombie
-        if self.running:
-            self.proc.kill()  # Popen checks that it has not been reaped (no pid reuse)
-            await self.wait(grace_s)
-        self._close_status()
-        for fd in (self._init_pidfd, self._bwrap_pidfd):
-            if fd is not None:
-                os.close(fd)
-        self._init_pidfd = self._bwrap_pidfd = None
-        if hasattr(self, "stdin"):
-            self.stdin.close()
-
-    def close_pipes(self) -> None:
-        """Close our ends of stdin/stdout/stderr (after ``stop`` and after reading them)."""
-        for transport in self._transports:
-            transport.close()
-
-
 class AgentProcess:
     """Host side of one session sandbox: JSON lines over the agent's stdin/stdout.
 
@@ -812,10 +559,10 @@ class AgentProcess:
     (the caller serialises them). The agent's own stderr is kept (capped) for diagnostics.
     """
 
-    def __init__(self, sandbox: _Bwrap, config: BwrapConfig) -> None:
+    def __init__(self, sandbox: BwrapProcess, config: BwrapConfig) -> None:
         self.sandbox = sandbox
         self.config = config
-        self._diag = _CappedReader(sandbox.stderr, 1 << 16)
+        self._diag = CappedReader(sandbox.stderr, 1 << 16)
         self._diag_task = asyncio.ensure_future(self._diag.drain())
 
     @property
@@ -900,108 +647,3 @@ class AgentProcess:
         await asyncio.wait([self._diag_task], timeout=cfg.kill_grace_s)
         self._diag_task.cancel()
         self.sandbox.close_pipes()
-
-
-# The session agent: runs inside the sandbox as `python -I -S -c _AGENT_SOURCE`. It keeps the
-# protocol on private duplicates of fds 0/1, points fds 0/1/2 at /dev/null and two memfds that
-# capture each call's output (Python `print`, child processes and bash alike), runs Python code
-# in one persistent namespace (echoing the value of a trailing expression, like a REPL) and bash
-# code in one persistent `bash` (sourced from a file, so syntax errors cannot desynchronise it).
-_AGENT_SOURCE = r"""
-import ast, json, os, resource, signal, sys
-
-def main():
-    req = os.fdopen(os.dup(0), "rb")
-    resp = os.dup(1)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    null = os.open("/dev/null", os.O_RDWR)
-    os.dup2(null, 0)
-    out_fd, err_fd = os.memfd_create("stdout"), os.memfd_create("stderr")
-    os.dup2(out_fd, 1)
-    os.dup2(err_fd, 2)
-    state = {"ns": {"__name__": "__main__", "__builtins__": __builtins__}, "bash": None}
-
-    def send(obj):
-        data = (json.dumps(obj) + "\n").encode()
-        while data:
-            data = data[os.write(resp, data):]
-
-    send({"ready": True})
-    for line in req:
-        msg = json.loads(line)
-        if msg["op"] == "init":
-            for res, key in ((resource.RLIMIT_AS, "as_bytes"), (resource.RLIMIT_NPROC, "nproc"),
-                             (resource.RLIMIT_NOFILE, "nofile"), (resource.RLIMIT_FSIZE, "fsize")):
-                resource.setrlimit(res, (msg[key], msg[key]))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            send({"ok": True})
-            continue
-        for fd in (1, 2):
-            os.ftruncate(fd, 0)
-            os.lseek(fd, 0, 0)
-        if msg["kind"] == "bash":
-            code = run_bash(state, msg["code"])
-        else:
-            code = run_python(state["ns"], msg["code"])
-        cap = msg["max_output"]
-        texts, truncated = [], False
-        for fd in (1, 2):
-            size = os.fstat(fd).st_size
-            truncated = truncated or size > cap
-            texts.append(os.pread(fd, min(size, cap), 0).decode("utf-8", "replace"))
-        send({"exit_code": code, "stdout": texts[0], "stderr": texts[1], "truncated": truncated})
-
-def run_python(ns, code):
-    exit_code = 0
-    try:
-        tree = ast.parse(code, "<session>", "exec")
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
-            ast.fix_missing_locations(last)
-        exec(compile(tree, "<session>", "exec"), ns)
-        if last is not None:
-            value = eval(compile(last, "<session>", "eval"), ns)
-            if value is not None:
-                print(repr(value))
-    except SystemExit as exc:
-        exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException as exc:
-        import traceback
-        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
-        exit_code = 1
-    finally:
-        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-    return exit_code
-
-def run_bash(state, code):
-    import subprocess
-    if state["bash"] is None:
-        status_r, status_w = os.pipe()
-        proc = subprocess.Popen(["bash", "--noprofile", "--norc"], stdin=subprocess.PIPE,
-                                pass_fds=(status_w,), cwd=os.getcwd())
-        os.close(status_w)
-        state["bash"] = (proc, os.fdopen(status_r, "rb"), status_w)
-    proc, status, status_w = state["bash"]
-    path = "/tmp/.trident-session-cmd.sh"
-    with open(path, "w") as f:
-        f.write(code + "\n")
-    try:
-        proc.stdin.write(("source %s </dev/null; printf '%%d\\n' $? >&%d\n" % (path, status_w)).encode())
-        proc.stdin.flush()
-        line = status.readline()
-    except BrokenPipeError:
-        line = b""
-    if line.strip():
-        return int(line)
-    rc = proc.wait()
-    state["bash"] = None
-    return rc if rc >= 0 else 128 - rc
-
-main()
-"""

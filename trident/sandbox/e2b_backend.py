@@ -11,7 +11,7 @@ on a thread pool for the async calls):
   coreutils ``timeout``: exit 124 (or 137 once its KILL follow-up fired) after the deadline ->
   ``timeout``; the SDK's own command deadline is ``timeout_s + slack_s``, so an SDK timeout means
   the service hung (``error``). Other exit codes -> ``ok``/``oom``/``killed`` by
-  ``trident.sandbox.bwrap.classify``; a non-zero exit (the SDK's ``CommandExitException``) is the
+  ``trident.sandbox.base.classify``; a non-zero exit (the SDK's ``CommandExitException``) is the
   program's result, not an error.
 - ``open_session()``: one e2b sandbox per session, created by the first ``exec``; Python runs in
   the code interpreter's Jupyter kernel (``run_code``, state persists, the value of a trailing
@@ -36,7 +36,6 @@ the service.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import importlib
@@ -49,8 +48,17 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from trident.sandbox import BlockingClient, SandboxResult, SessionClosedError, SessionKind
-from trident.sandbox.bwrap import _as_bytes, _check_relpath, classify
+from trident.sandbox.base import (
+    BlockingClient,
+    BlockingSession,
+    SandboxResult,
+    SessionClosedError,
+    SessionKind,
+    as_bytes,
+    cap_text,
+    classify,
+    validate_run_args,
+)
 
 WORK_DIR = "/home/user/trident"
 _STDIN = "/tmp/.trident-stdin"
@@ -121,11 +129,7 @@ class E2BSandbox(BlockingClient):
         memory_mb: int = 1024,
         env: Mapping[str, str] | None = None,
     ) -> SandboxResult:
-        if not cmd:
-            raise ValueError("empty command")
-        if timeout_s <= 0 or memory_mb <= 0:
-            raise ValueError("timeout_s and memory_mb must be positive")
-        blobs = {_check_relpath(k): _as_bytes(v) for k, v in (files or {}).items()}
+        blobs = validate_run_args(cmd, files, timeout_s, memory_mb)
         script = (
             f"cd {WORK_DIR} && ulimit -v {memory_mb << 10} && "
             f"exec timeout -k 1 {timeout_s:g} {shlex.join(cmd)} < {_STDIN}"
@@ -137,7 +141,7 @@ class E2BSandbox(BlockingClient):
             sandbox.files.make_dir(WORK_DIR)
             for rel, data in blobs.items():
                 sandbox.files.write(f"{WORK_DIR}/{rel}", data)
-            sandbox.files.write(_STDIN, _as_bytes(stdin))
+            sandbox.files.write(_STDIN, as_bytes(stdin))
             started = time.monotonic()
             try:
                 out = sandbox.commands.run(
@@ -159,8 +163,8 @@ class E2BSandbox(BlockingClient):
     def _result(
         self, exit_code: int, stdout: str | None, stderr: str | None, timeout_s: float, ran_s: float
     ) -> SandboxResult:
-        out, cut_out = _cap(stdout or "", self.max_output_bytes)
-        err, cut_err = _cap(stderr or "", self.max_output_bytes)
+        out, cut_out = cap_text(stdout or "", self.max_output_bytes)
+        err, cut_err = cap_text(stderr or "", self.max_output_bytes)
         if exit_code in (124, 137) and ran_s >= timeout_s:  # coreutils `timeout` fired
             return SandboxResult("timeout", None, out, err, ran_s, cut_out or cut_err)
         return SandboxResult(
@@ -189,12 +193,13 @@ class E2BSandbox(BlockingClient):
         self.close()
 
 
-class E2BSession:
+class E2BSession(BlockingSession):
     """One e2b sandbox with a Python and a bash kernel (implements ``trident.sandbox.Session``)."""
 
     def __init__(self, owner: E2BSandbox, ttl_s: float) -> None:
         self.id = uuid.uuid4().hex
         self._owner = owner
+        self._executor = owner._executor
         self._ttl_s = ttl_s
         self._sandbox: Any = None
         self._closed = False
@@ -243,14 +248,6 @@ class E2BSession:
             exit_code = 1
         return owner._result(exit_code, stdout, stderr, math.inf, time.monotonic() - start)
 
-    async def exec_async(
-        self, code: str, *, kind: SessionKind = "python", timeout_s: float = 30.0
-    ) -> SandboxResult:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._owner._executor, lambda: self.exec(code, kind=kind, timeout_s=timeout_s)
-        )
-
     def _kill(self) -> None:
         self._closed = True
         sandbox, self._sandbox = self._sandbox, None
@@ -269,10 +266,3 @@ class E2BSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _cap(text: str, limit: int) -> tuple[str, bool]:
-    data = text.encode("utf-8", "replace")
-    if len(data) <= limit:
-        return text, False
-    return data[:limit].decode("utf-8", "replace"), True

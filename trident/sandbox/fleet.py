@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from trident.sandbox import BlockingClient, InfraError, SandboxResult
+from trident.sandbox.base import BlockingClient, InfraError, SandboxResult
 from trident.sandbox.service import RemoteSandbox, RemoteSession
 
 _T = TypeVar("_T")

@@ -37,7 +37,7 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from trident.sandbox import SandboxResult, SessionClosedError, SessionKind
+from trident.sandbox.base import SandboxResult, SessionClosedError, SessionKind
 from trident.sandbox.bwrap import AgentProcess, BwrapSandbox
 
 _T = TypeVar("_T")

@@ -23,7 +23,7 @@ holds ``files`` (the cwd). ``run(cmd, ...)`` maps the argv onto that:
   be the server's interpreter rather than the runtime environment.
 
 Status (whose fault, as everywhere in ``trident.sandbox``): ``run_result.status`` ``Finished``
--> ``ok``/``oom``/``killed`` by ``trident.sandbox.bwrap.classify`` (a negative return code, a
+-> ``ok``/``oom``/``killed`` by ``trident.sandbox.base.classify`` (a negative return code, a
 signal, becomes 128 + N); ``TimeLimitExceeded`` -> ``timeout``. The infrastructure's failures come
 back as status ``error`` (callers that score code raise ``InfraError``, never a zero): the server
 unreachable, a reply later than ``run_timeout + compile_timeout + slack_s`` (a hung server),
@@ -45,8 +45,6 @@ SandboxFusion server (a large Docker image) was not run.
 from __future__ import annotations
 
 import base64
-import concurrent.futures
-import contextlib
 import re
 import shlex
 import time
@@ -55,15 +53,22 @@ from typing import Any
 
 import httpx
 
-from trident.sandbox import BlockingClient, SandboxResult
-from trident.sandbox.bwrap import _as_bytes, _check_relpath, classify
+from trident.sandbox.base import (
+    HttpSandboxClient,
+    SandboxResult,
+    cap_text,
+    classify,
+    validate_run_args,
+)
 
 _PYTHON = re.compile(r"python(3(\.\d+)?)?")
 _RETRY_STATUSES = (500, 502, 503, 504)
 
 
-class SandboxFusionSandbox(BlockingClient):
+class SandboxFusionSandbox(HttpSandboxClient):
     """``trident.sandbox.Sandbox`` over a SandboxFusion server's ``/run_code``."""
+
+    health_path = "/v1/ping"
 
     def __init__(
         self,
@@ -78,23 +83,18 @@ class SandboxFusionSandbox(BlockingClient):
         max_output_bytes: int = 1 << 20,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        super().__init__(
+            base_url,
+            connect_timeout_s=connect_timeout_s,
+            max_inflight=max_inflight,
+            thread_name_prefix="trident-sandboxfusion",
+            headers=headers,
+        )
         self.compile_timeout_s = compile_timeout_s
         self.slack_s = slack_s
-        self.connect_timeout_s = connect_timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_output_bytes = max_output_bytes
-        self._client = httpx.Client(
-            base_url=self.base_url,
-            headers=dict(headers or {}),
-            limits=httpx.Limits(
-                max_connections=max_inflight, max_keepalive_connections=max_inflight
-            ),
-        )
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_inflight, thread_name_prefix="trident-sandboxfusion"
-        )
 
     # -- request -------------------------------------------------------------------------------
 
@@ -109,11 +109,7 @@ class SandboxFusionSandbox(BlockingClient):
         env: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """The ``/run_code`` body for one ``run`` (see the module docstring for the mapping)."""
-        if not cmd:
-            raise ValueError("empty command")
-        if timeout_s <= 0 or memory_mb <= 0:
-            raise ValueError("timeout_s and memory_mb must be positive")
-        blobs = {_check_relpath(k): _as_bytes(v) for k, v in (files or {}).items()}
+        blobs = validate_run_args(cmd, files, timeout_s, memory_mb)
         try:
             stdin_text = stdin if isinstance(stdin, str) else bytes(stdin).decode("utf-8")
         except UnicodeDecodeError:
@@ -182,8 +178,8 @@ class SandboxFusionSandbox(BlockingClient):
         if not isinstance(run, dict):
             message = data.get("message") or f"no run_result (status {data.get('status')!r})"
             return SandboxResult.infra_error(f"SandboxFusion: {message}", elapsed_s)
-        stdout, cut_out = _cap(run.get("stdout") or "", self.max_output_bytes)
-        stderr, cut_err = _cap(run.get("stderr") or "", self.max_output_bytes)
+        stdout, cut_out = cap_text(run.get("stdout") or "", self.max_output_bytes)
+        stderr, cut_err = cap_text(run.get("stderr") or "", self.max_output_bytes)
         truncated = cut_out or cut_err
         duration = run.get("execution_time")
         duration = float(duration) if isinstance(duration, (int, float)) else elapsed_s
@@ -225,32 +221,8 @@ class SandboxFusionSandbox(BlockingClient):
             "`trident sandbox serve` (RemoteSandbox) or the e2b backend for multi-turn tools"
         )
 
-    def health(self) -> bool:
-        """Whether the server answers ``GET /v1/ping`` now."""
-        with contextlib.suppress(httpx.HTTPError):
-            reply = self._client.get("/v1/ping", timeout=self.connect_timeout_s)
-            return reply.status_code == 200
-        return False
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._client.close()
-
-    def __enter__(self) -> SandboxFusionSandbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def _env_name(name: str) -> str:
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ValueError(f"not a valid environment variable name: {name!r}")
     return name
-
-
-def _cap(text: str, limit: int) -> tuple[str, bool]:
-    data = text.encode("utf-8", "replace")
-    if len(data) <= limit:
-        return text, False
-    return data[:limit].decode("utf-8", "replace"), True

@@ -23,16 +23,14 @@ the service killed, a hung or garbled reply - comes back as a ``SandboxResult`` 
 Deliberate simplifications: no authentication (bind to 127.0.0.1 or a private network); the async
 client runs the synchronous ``httpx`` client on a private thread pool (``max_inflight`` threads),
 which makes it independent of the caller's event loop; remote sessions are reclaimed by the
-server's TTL reaper, not by a client-side finaliser; SandboxFusion and e2b clients are not
-implemented.
+server's TTL reaper, not by a client-side finaliser. The client's connection pool, ``health``,
+``close`` and ``with`` are ``trident.sandbox.base.HttpSandboxClient``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
-import contextlib
 import time
 import uuid
 from collections.abc import Mapping
@@ -41,8 +39,9 @@ from typing import Any
 import httpx
 from aiohttp import web
 
-from trident.sandbox import (
-    BlockingClient,
+from trident.sandbox.base import (
+    BlockingSession,
+    HttpSandboxClient,
     InfraError,
     SandboxResult,
     SessionClosedError,
@@ -79,6 +78,15 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _BadRequest("body must be a JSON object")
     return body
+
+
+@web.middleware
+async def _bad_requests(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A malformed request (a bad field, a body that is not JSON) answers 400 with the reason."""
+    try:
+        return await handler(request)
+    except (_BadRequest, ValueError, TypeError) as exc:
+        return web.json_response({"error": str(exc)}, status=400)
 
 
 def create_app(pool: SandboxPool) -> web.Application:
@@ -145,17 +153,10 @@ def create_app(pool: SandboxPool) -> web.Application:
             await asyncio.get_running_loop().run_in_executor(None, session.close)
         return web.json_response({"closed": True})
 
-    @web.middleware
-    async def bad_requests(request: web.Request, handler: Any) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except (_BadRequest, ValueError, TypeError) as exc:
-            return web.json_response({"error": str(exc)}, status=400)
-
     async def cleanup(_: web.Application) -> None:
         await asyncio.get_running_loop().run_in_executor(None, pool.close)
 
-    app = web.Application(middlewares=[bad_requests], client_max_size=64 << 20)
+    app = web.Application(middlewares=[_bad_requests], client_max_size=64 << 20)
     app.router.add_get("/health", health)
     app.router.add_post("/run", run)
     app.router.add_post("/sessions", open_session)
@@ -192,7 +193,7 @@ def serve(
 # -- client ----------------------------------------------------------------------------------
 
 
-class RemoteSandbox(BlockingClient):
+class RemoteSandbox(HttpSandboxClient):
     """``Sandbox`` backed by a ``trident sandbox serve`` service."""
 
     def __init__(
@@ -205,20 +206,15 @@ class RemoteSandbox(BlockingClient):
         backoff_s: float = 0.2,
         max_inflight: int = 64,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        super().__init__(
+            base_url,
+            connect_timeout_s=connect_timeout_s,
+            max_inflight=max_inflight,
+            thread_name_prefix="trident-remote-sandbox",
+        )
         self.slack_s = slack_s
-        self.connect_timeout_s = connect_timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
-        self._client = httpx.Client(
-            base_url=self.base_url,
-            limits=httpx.Limits(
-                max_connections=max_inflight, max_keepalive_connections=max_inflight
-            ),
-        )
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_inflight, thread_name_prefix="trident-remote-sandbox"
-        )
 
     def _timeout(self, seconds: float) -> httpx.Timeout:
         return httpx.Timeout(seconds + self.slack_s, connect=self.connect_timeout_s)
@@ -303,29 +299,14 @@ class RemoteSandbox(BlockingClient):
     def open_session(self, *, ttl_s: float = 600.0, memory_mb: int = 1024) -> RemoteSession:
         return RemoteSession(self, ttl_s=ttl_s, memory_mb=memory_mb)
 
-    def health(self) -> bool:
-        """Whether the service answers ``/health`` now."""
-        with contextlib.suppress(httpx.HTTPError):
-            return self._client.get("/health", timeout=self.connect_timeout_s).status_code == 200
-        return False
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._client.close()
-
-    def __enter__(self) -> RemoteSandbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class RemoteSession:
+class RemoteSession(BlockingSession):
     """A session on the service; created there by the first ``exec`` (so opening never blocks)."""
 
     def __init__(self, sandbox: RemoteSandbox, *, ttl_s: float, memory_mb: int) -> None:
         self.id = uuid.uuid4().hex
         self._sandbox = sandbox
+        self._executor = sandbox._executor
         self._ttl_s = ttl_s
         self._memory_mb = memory_mb
         self._created = False
@@ -359,14 +340,6 @@ class RemoteSession:
             "POST", f"/sessions/{self.id}/exec", body, timeout_s, idempotent=False
         )
         return remote._result(outcome, start)
-
-    async def exec_async(
-        self, code: str, *, kind: SessionKind = "python", timeout_s: float = 30.0
-    ) -> SandboxResult:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._sandbox._executor, lambda: self.exec(code, kind=kind, timeout_s=timeout_s)
-        )
 
     def close(self) -> None:
         if self._closed:
