@@ -3,7 +3,7 @@
 Two parts, written to ``benchmarks/results/async_pipeline.{json,md}``:
 
 1. **Real** (this machine): the full stack (Ray, one vLLM-CPU server, the FSDP2 trainer, weight
-   sync with verification) runs the README's tiny task (``configs/demo.yaml``: 2-digit addition,
+   sync with verification) runs the demo's tiny task (``configs/demo.yaml``: 2-digit addition,
    warm-up answering in three styles, GRPO rewarded by the verifier + format) in each mode. The
    model's own answers are ~7 tokens, so the workload makes the tail: the responses to a fraction
    of the prompts (``--tail-fraction``, chosen by a hash of the prompt) are held open
@@ -533,7 +533,7 @@ def real_run(mode: str, eta: int, args: argparse.Namespace, model: str, out: Pat
     from trident.weights.backend import server_backend
 
     cfg = load_config(
-        [args.config],  # the README's tiny task and RL recipe
+        [args.config],  # the demo's tiny task and RL recipe
         [
             f"model.path={model}",
             f"run.dir={out}",
@@ -632,7 +632,7 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             _measured(report.get("real_provenance")),
             "",
-            f"The README's tiny task and recipe (`configs/demo.yaml`), {w['steps']} steps × {w['prompts']} "
+            f"The demo's tiny task and recipe (`configs/demo.yaml`), {w['steps']} steps × {w['prompts']} "
             f"prompts × {w['n']} samples. Long tail: the responses to {w['tail_fraction']:.0%} of "
             f"the prompts are held open to a log-normal length (median {w['median']:g}, "
             f"σ {w['sigma']:g}, max {w['max_tokens']} tokens); the rest end where the model "

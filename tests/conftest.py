@@ -45,7 +45,7 @@ def tiny_model(tmp_path_factory) -> str:
     return str(init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0))
 
 
-DEMO = REPO / "configs" / "demo.yaml"  # the README's tiny task: warm-up, then 30 GRPO steps
+DEMO = REPO / "configs" / "demo.yaml"  # the demo's tiny task: warm-up, then 30 GRPO steps
 
 
 def _sft(model: str, run_dir: Path, *overrides: str, configs: tuple[Path, ...] = ()) -> str:

@@ -11,7 +11,7 @@ read its answers. The same rollout, run against a server directly, shows the mas
 one trained span per model turn, tool results untrained.
 
 Slow: the recipe of ``configs/agent_demo.yaml`` end to end — SFT on demonstrations, then GRPO —
-raises the tool-call success rate and the reward (numbers in the README).
+raises the tool-call success rate and the reward.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def _mean(values: list[float]) -> float:
 def test_agent_demo_recipe_raises_tool_success_and_reward(tiny_model, tmp_path):
     """configs/agent_demo.yaml as scripts/agent_demo runs it: SFT on the environment's imperfect
     demonstrations (30% of them a broken tool strategy), then GRPO on whole trajectories: tool
-    success and reward rise (measured numbers in the README)."""
+    success and reward rise."""
     recipe = load_config([AGENT_DEMO])
     out = tmp_path / "sft"
     rows = env_rows("calc_lookup", 4000, "train", 0, False, **recipe.env.data_kwargs)

@@ -15,7 +15,9 @@ from collections.abc import Callable
 
 from trident.config import ConfigError, TridentConfig, dump_config, load_config, save_config
 
-EPILOG = "Overrides are dotted KEY=VALUE pairs, e.g. `model.path=ckpt rollout.n=8`; see the README's config reference."
+EPILOG = (
+    "Overrides are dotted KEY=VALUE pairs, e.g. `model.path=ckpt rollout.n=8`; see docs/config.md."
+)
 
 
 def _job_parser(sub, name: str, help_text: str, description: str) -> argparse.ArgumentParser:
