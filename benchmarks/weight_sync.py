@@ -49,6 +49,7 @@ from trident.models.load import load_causal_lm, load_tokenizer
 from trident.rollout.vllm_server import VLLMServer
 from trident.train import fsdp
 from trident.weights import delta as delta_codec
+from trident.weights.shm import ShmTransport
 from trident.weights.sync import WeightSync, hf_named_tensors, make_probe, probe_logprobs
 
 MB = 1 << 20
@@ -135,7 +136,9 @@ def full_syncs(
     version = 0
     plans = [("gathered", 1), ("streamed", 1)] + [("streamed", n) for n in fan_out if n > 1]
     syncs = {  # keep_served: what `trident train` runs with (rollout.max_restarts > 0)
-        n: WeightSync([s.url for s in servers[:n]], bucket_bytes=bucket, keep_served=True)
+        n: WeightSync(
+            [s.url for s in servers[:n]], ShmTransport(bucket_bytes=bucket, keep_served=True)
+        )
         for n in fan_out
     }
     for s in syncs.values():
@@ -184,7 +187,7 @@ def delta_sync(name: str, checkpoint: str, server: VLLMServer, bucket: int) -> d
     model = load_causal_lm(checkpoint)
     probe = make_probe(load_tokenizer(checkpoint), 32, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
-    sync = WeightSync([server.url], bucket_bytes=bucket, delta=True)
+    sync = WeightSync([server.url], ShmTransport(bucket_bytes=bucket, delta=True))
     sync.init()
     out: dict[str, Any] = {"model": name}
     for kind in ("full", "delta"):

@@ -34,6 +34,7 @@ from trident.rollout.router import Router
 from trident.rollout.vllm_server import VLLMServer
 from trident.telemetry.metrics import read_metrics
 from trident.telemetry.trace import Trace
+from trident.weights.shm import ShmTransport
 from trident.weights.sync import WeightSync, hf_named_tensors, make_probe, probe_logprobs
 
 # float32 engine and trainer agree to ~1e-6 (tests/test_weight_sync.py); the two weight versions
@@ -74,7 +75,7 @@ def test_partial_rollout_versions_match_the_weights_that_generated_each_token(
     v0, v1 = load_causal_lm(checkpoint), perturbed(checkpoint, seed=1)
     prompt = encode_chat(tokenizer, prompt_messages("12+34"))
     probe = make_probe(tokenizer, 32)
-    sync = WeightSync([server], timeout_s=120)
+    sync = WeightSync([server], ShmTransport(timeout_s=120))
     sync.init()
 
     def push_v1() -> dict[str, float]:

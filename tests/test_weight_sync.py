@@ -19,16 +19,19 @@ import httpx
 import pytest
 import torch
 
+from trident.config.schema import SyncConfig
 from trident.models.factory import init_model
 from trident.models.load import load_causal_lm, load_tokenizer
 from trident.rollout.engine import VLLMClient
 from trident.rollout.vllm_server import VLLMServer
-from trident.weights import sync as sync_module
+from trident.weights import buckets, shm
+from trident.weights.backend import make_transport
+from trident.weights.buckets import iter_buckets
+from trident.weights.shm import ShmTransport
 from trident.weights.sync import (
     WeightSync,
     WeightSyncError,
     hf_named_tensors,
-    iter_buckets,
     make_probe,
     probe_logprobs,
 )
@@ -62,7 +65,7 @@ def test_hf_named_tensors_sends_the_tied_head() -> None:
 
 def test_write_bucket_checksums_the_bytes_written(tmp_path: Path) -> None:
     embed = torch.randn(8, 4)
-    file = sync_module.write_bucket([("a", embed), ("b", embed)], tmp_path / "b.safetensors")
+    file = buckets.write_bucket([("a", embed), ("b", embed)], tmp_path / "b.safetensors")
     data = Path(file.path).read_bytes()
     assert file.checksum == checksum(data) and file.nbytes == len(data)
 
@@ -72,15 +75,15 @@ def test_write_bucket_rewrites_a_file_in_place_as_safetensors(tmp_path: Path) ->
 
     path = tmp_path / "b.safetensors"
     first = {"w": torch.randn(5, 3), "h": torch.randn(7).bfloat16(), "s": torch.tensor(2)}
-    sync_module.write_bucket(list(first.items()), path)
+    buckets.write_bucket(list(first.items()), path)
     inode = path.stat().st_ino
     second = {"w": torch.randn(5, 3), "h": torch.randn(7).bfloat16(), "s": torch.tensor(3)}
-    file = sync_module.write_bucket(list(second.items()), path)
+    file = buckets.write_bucket(list(second.items()), path)
     assert path.stat().st_ino == inode  # the same file (its pages reused), not a new one
     loaded = load_file(path)  # the safetensors library reads it back exactly
     assert loaded.keys() == second.keys()
     assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in second.items())
-    smaller = sync_module.write_bucket([("w", torch.randn(2))], path)
+    smaller = buckets.write_bucket([("w", torch.randn(2))], path)
     assert path.stat().st_size == smaller.nbytes < file.nbytes  # no stale tail
     assert load_file(path)["w"].shape == (2,)
 
@@ -100,7 +103,7 @@ def test_bucket_files_of_a_dead_sender_are_removed(tmp_path: Path) -> None:
     other = tmp_path / "unrelated.safetensors"
     for path in (orphan, alive, other):
         path.write_bytes(b"x")
-    sync_module._remove_orphans(tmp_path)  # what WeightSync.init does first
+    shm._remove_orphans(tmp_path)  # what WeightSync.init does first
     assert not orphan.exists() and alive.exists() and other.exists()
 
 
@@ -169,7 +172,7 @@ def url(servers: OneServer, checkpoint: str) -> str:
 
 @pytest.fixture(scope="module")
 def weight_sync(url: str) -> WeightSync:
-    sync = WeightSync([url], bucket_bytes=BUCKET_BYTES, timeout_s=120)
+    sync = WeightSync([url], ShmTransport(bucket_bytes=BUCKET_BYTES, timeout_s=120))
     sync.init()
     return sync
 
@@ -275,7 +278,7 @@ def test_the_next_syncs_files_do_not_reach_the_served_weights_and_close_removes_
 ) -> None:
     """The sender rewrites the same bucket files at every sync: the engine must have copied
     what it applied, not kept reading the files."""
-    sync = WeightSync([url], bucket_bytes=BUCKET_BYTES, shm_dir=tmp_path)
+    sync = WeightSync([url], ShmTransport(tmp_path, BUCKET_BYTES))
     sync.init()
     version, expected = sync_to(sync, perturbed(checkpoint, seed=11), probe)
     files = sorted(tmp_path.glob("trident-weights-*.safetensors"))
@@ -295,16 +298,17 @@ def test_the_kept_copy_is_updated_in_place_and_a_failed_push_voids_it(
     """``keep_served`` (what a restarted server is brought back to) is copied into the same
     tensors at every sync; a push that fails midway leaves it mixed, so ``rejoin`` must refuse
     until the next push succeeds."""
-    sync = WeightSync([url], bucket_bytes=BUCKET_BYTES, keep_served=True)
+    transport = ShmTransport(bucket_bytes=BUCKET_BYTES, keep_served=True)
+    sync = WeightSync([url], transport)
     sync.init()
     try:
         sync_to(sync, perturbed(checkpoint, seed=21), probe)
-        assert sync._base is not None
-        storage = {n: t.data_ptr() for n, t in sync._base.items()}
+        assert transport._base is not None
+        storage = {n: t.data_ptr() for n, t in transport._base.items()}
         model = perturbed(checkpoint, seed=22)
         version, expected = sync_to(sync, model, probe)
-        assert {n: t.data_ptr() for n, t in sync._base.items()} == storage  # in place
-        assert all(torch.equal(sync._base[n], t) for n, t in model.state_dict().items())
+        assert {n: t.data_ptr() for n, t in transport._base.items()} == storage  # in place
+        assert all(torch.equal(transport._base[n], t) for n, t in model.state_dict().items())
         sync.rejoin(url, probe, expected, TOLERANCE)  # the kept copy is that version
 
         def fail_on_bucket_1(bucket, path):
@@ -312,8 +316,8 @@ def test_the_kept_copy_is_updated_in_place_and_a_failed_push_voids_it(
                 raise OSError("no space left on device")
             return real_write(bucket, path)
 
-        real_write = sync_module.write_bucket
-        monkeypatch.setattr(sync_module, "write_bucket", fail_on_bucket_1)
+        real_write = shm.write_bucket
+        monkeypatch.setattr(shm, "write_bucket", fail_on_bucket_1)
         with pytest.raises(WeightSyncError, match="no space left"):
             sync.push(hf_named_tensors(perturbed(checkpoint, seed=23), False), version + 1)
         monkeypatch.undo()
@@ -333,7 +337,7 @@ def test_corrupted_bucket_is_refused_and_leaves_weights_unchanged(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     version, expected = sync_to(weight_sync, perturbed(checkpoint, seed=4), probe)
-    real_write = sync_module.write_bucket
+    real_write = shm.write_bucket
     written: list[str] = []
 
     def write_then_corrupt(bucket, path):  # bytes altered after the checksum was taken
@@ -345,7 +349,7 @@ def test_corrupted_bucket_is_refused_and_leaves_weights_unchanged(
             Path(file.path).write_bytes(bytes(data))
         return file
 
-    monkeypatch.setattr(sync_module, "write_bucket", write_then_corrupt)
+    monkeypatch.setattr(shm, "write_bucket", write_then_corrupt)
     with pytest.raises(WeightSyncError, match="checksum mismatch for bucket 1") as err:
         weight_sync.push(hf_named_tensors(perturbed(checkpoint, seed=5), False), version + 1)
     assert url in str(err.value) and "update_weights" in str(err.value)
@@ -418,7 +422,7 @@ def test_failure_on_one_server_aborts_the_update_on_all(
     threading.Thread(target=fake.serve_forever, daemon=True).start()
     fake_url = f"http://127.0.0.1:{fake.server_address[1]}"
     try:
-        both = WeightSync([url, fake_url], bucket_bytes=BUCKET_BYTES, timeout_s=60)
+        both = WeightSync([url, fake_url], ShmTransport(bucket_bytes=BUCKET_BYTES, timeout_s=60))
         both.init()
         with pytest.raises(WeightSyncError, match=route) as err:
             both.push(hf_named_tensors(perturbed(checkpoint, seed=9), False), version + 1)
@@ -432,7 +436,7 @@ def test_failure_on_one_server_aborts_the_update_on_all(
 
 
 def test_unreachable_server_is_named() -> None:
-    dead = WeightSync(["http://127.0.0.1:9"], timeout_s=5)
+    dead = WeightSync(["http://127.0.0.1:9"], ShmTransport(timeout_s=5), timeout_s=5)
     with pytest.raises(
         WeightSyncError, match="http://127.0.0.1:9: /init_weight_transfer_engine failed"
     ):
@@ -446,7 +450,7 @@ def test_unreachable_server_is_named() -> None:
 @pytest.fixture(scope="module")
 def tied_sync(servers: OneServer, tied_checkpoint: str) -> tuple[str, WeightSync]:
     tied_url = servers.serve(tied_checkpoint)
-    sync = WeightSync([tied_url], bucket_bytes=BUCKET_BYTES, timeout_s=120)
+    sync = WeightSync([tied_url], ShmTransport(bucket_bytes=BUCKET_BYTES, timeout_s=120))
     sync.init()
     return tied_url, sync
 
@@ -494,7 +498,7 @@ def test_gpu_backend_sync_verifies(backend: str, checkpoint: str, tmp_path: Path
     try:
         probe = make_probe(load_tokenizer(checkpoint), 64, seed=0)
         model = perturbed(checkpoint, seed=12).cuda()
-        sync = WeightSync([gpu_url], backend=backend)
+        sync = WeightSync([gpu_url], make_transport(backend, SyncConfig()))
         sync.init()
         sync.push(hf_named_tensors(model, False), 1)
         sync.verify(probe, probe_logprobs(model, probe), 1, tolerance=1e-3)

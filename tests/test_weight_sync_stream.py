@@ -23,16 +23,15 @@ import torch
 from trident.models.load import load_causal_lm, load_tokenizer
 from trident.rollout.vllm_server import VLLMServer
 from trident.weights import delta as delta_codec
-from trident.weights import sync as sync_module
+from trident.weights import shm
+from trident.weights.buckets import iter_buckets
+from trident.weights.shm import BucketServer, ShmTransport, same_host
 from trident.weights.sync import (
-    BucketServer,
     WeightSync,
     WeightSyncError,
     hf_named_tensors,
-    iter_buckets,
     make_probe,
     probe_logprobs,
-    same_host,
 )
 from trident.weights.vllm_plugin import BASE_MISMATCH, fetch, map_file, safetensors_views
 
@@ -181,7 +180,7 @@ def served_version(url: str) -> str:
 def test_fan_out_to_two_servers_leaves_both_verified(
     urls: list[str], tiny_model: str, probe: list[int]
 ) -> None:
-    sync = WeightSync(urls, bucket_bytes=BUCKET_BYTES)
+    sync = WeightSync(urls, ShmTransport(bucket_bytes=BUCKET_BYTES))
     sync.init()
     trainer = Trainer(tiny_model, seed=1)
     metrics = sync_to(sync, trainer, probe)
@@ -190,13 +189,13 @@ def test_fan_out_to_two_servers_leaves_both_verified(
     assert [served_version(u) for u in urls] == ["1", "1"]
     # Without deltas or rejoins, nothing needs the weights' checksum: the files' checksums
     # alone check a full sync, and the sender does not hash the weights a second time.
-    assert sync.held == dict.fromkeys(urls, (1, ""))
+    assert sync.transport.held == dict.fromkeys(urls, (1, ""))
 
 
 def test_after_k_delta_syncs_engines_hold_the_trainers_weights(
     urls: list[str], tiny_model: str, probe: list[int]
 ) -> None:
-    sync = WeightSync(urls, bucket_bytes=BUCKET_BYTES, delta=True, full_every=4)
+    sync = WeightSync(urls, ShmTransport(bucket_bytes=BUCKET_BYTES, delta=True, full_every=4))
     sync.init()
     trainer = Trainer(tiny_model, seed=2)
     kinds, sizes = [], []
@@ -205,7 +204,7 @@ def test_after_k_delta_syncs_engines_hold_the_trainers_weights(
         kinds.append("delta" if metrics["delta"] else "full")
         sizes.append(metrics["bytes"] / metrics["weights_bytes"])
         # each engine reconstructed exactly this (it refuses otherwise), and the probe agrees
-        assert sync.held == dict.fromkeys(urls, (sync.version, trainer.checksum()))
+        assert sync.transport.held == dict.fromkeys(urls, (sync.version, trainer.checksum()))
         trainer.step()
     print(f"\nkinds {kinds}, payload/raw {[f'{s:.2f}' for s in sizes]}")
     assert kinds == ["full", "delta", "delta", "delta", "full", "delta"]  # full_every=4
@@ -217,18 +216,20 @@ def test_delta_against_the_wrong_base_is_refused_or_resent_in_full(
     urls: list[str], tiny_model: str, probe: list[int]
 ) -> None:
     url = urls[0]
-    ours = WeightSync([url], bucket_bytes=BUCKET_BYTES, delta=True)
+    ours = WeightSync([url], ShmTransport(bucket_bytes=BUCKET_BYTES, delta=True))
     ours.init()
     trainer = Trainer(tiny_model, seed=3)
     sync_to(ours, trainer, probe)
     # Behind our back the server gets other weights (another trainer, a restarted server).
-    other = WeightSync([url], bucket_bytes=BUCKET_BYTES, delta=True)
+    other = WeightSync([url], ShmTransport(bucket_bytes=BUCKET_BYTES, delta=True))
     other.init()  # keeps the server's base; sends version 1 as well
     intruder = Trainer(tiny_model, seed=4)
     sync_to(other, intruder, probe)
 
     trainer.step()
-    assert ours.next_is_delta()  # the sender still believes the server holds its base
+    assert ours.transport.next_is_delta(
+        ours.targets
+    )  # the sender still believes the server holds its base
     with pytest.raises(WeightSyncError, match=BASE_MISMATCH) as err:
         ours.push(hf_named_tensors(trainer.model, False), 2)
     message = str(err.value)
@@ -242,20 +243,20 @@ def test_delta_against_the_wrong_base_is_refused_or_resent_in_full(
     ours.verify(probe, probe_logprobs(trainer.model, probe), 3, TOLERANCE)
 
     # With on_base_mismatch=full the same situation costs one resend, and verifies.
-    another = WeightSync([url], bucket_bytes=BUCKET_BYTES, delta=True)
+    another = WeightSync([url], ShmTransport(bucket_bytes=BUCKET_BYTES, delta=True))
     another.init()
     sync_to(another, intruder, probe)
-    ours.on_base_mismatch = "full"
+    ours.transport.on_base_mismatch = "full"
     trainer.step()
     metrics = sync_to(ours, trainer, probe)
     assert metrics["fallback_full"] == 1.0 and metrics["delta"] == 0.0
-    assert ours.held[url] == (ours.version, trainer.checksum())
+    assert ours.transport.held[url] == (ours.version, trainer.checksum())
 
 
 def test_corrupted_delta_is_detected(
     urls: list[str], tiny_model: str, probe: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sync = WeightSync(urls, bucket_bytes=BUCKET_BYTES, delta=True)
+    sync = WeightSync(urls, ShmTransport(bucket_bytes=BUCKET_BYTES, delta=True))
     sync.init()
     trainer = Trainer(tiny_model, seed=5)
     before = sync_to(sync, trainer, probe)
@@ -263,7 +264,7 @@ def test_corrupted_delta_is_detected(
     trainer.step()
 
     # (a) A delta file altered after its checksum was taken: refused on read.
-    real_write = sync_module.write_delta_bucket
+    real_write = shm.write_delta_bucket
 
     def write_then_corrupt(bucket, base, path):
         file = real_write(bucket, base, path)
@@ -273,7 +274,7 @@ def test_corrupted_delta_is_detected(
             Path(file.path).write_bytes(bytes(data))
         return file
 
-    monkeypatch.setattr(sync_module, "write_delta_bucket", write_then_corrupt)
+    monkeypatch.setattr(shm, "write_delta_bucket", write_then_corrupt)
     with pytest.raises(WeightSyncError, match="checksum mismatch for bucket 1"):
         sync.push(hf_named_tensors(trainer.model, False), version + 1)
     monkeypatch.undo()
@@ -295,7 +296,7 @@ def test_corrupted_delta_is_detected(
         return real_encode(new, base)
 
     monkeypatch.setattr(delta_codec, "encode", encode_one_bit_off)
-    assert sync.next_is_delta()
+    assert sync.transport.next_is_delta(sync.targets)
     with pytest.raises(WeightSyncError, match="weights checksum mismatch") as err:
         sync.push(hf_named_tensors(trainer.model, False), version + 1)
     assert all(u in str(err.value) for u in urls)
@@ -320,7 +321,8 @@ RANKS_SCRIPT = textwrap.dedent(
         from safetensors.torch import load_file
         from trident.models.load import load_causal_lm, load_tokenizer
         from trident.train import fsdp
-        from trident.weights import sync as sync_module
+        from trident.weights import shm
+        from trident.weights.shm import ShmTransport
         from trident.weights.sync import (
             WeightSync, drain, hf_named_tensors, make_probe, probe_logprobs,
         )
@@ -335,15 +337,15 @@ RANKS_SCRIPT = textwrap.dedent(
         expected = probe_logprobs(model, probe)  # collective
         sent = {}
         if rank == 0:
-            real_write = sync_module.write_bucket
+            real_write = shm.write_bucket
 
             def write_and_record(bucket, path):
                 file = real_write(bucket, path)
                 sent.update(load_file(file.path))
                 return file
 
-            sync_module.write_bucket = write_and_record
-            sync = WeightSync(urls, bucket_bytes=1 << 20)
+            shm.write_bucket = write_and_record
+            sync = WeightSync(urls, ShmTransport(bucket_bytes=1 << 20))
             sync.init()
             metrics = sync.push(hf_named_tensors(model, False), 1)
             metrics |= sync.verify(probe, expected, 1, 1e-4)

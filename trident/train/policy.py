@@ -47,7 +47,8 @@ from trident.train.recompute import (
 from trident.weights.tensors import full_tensor
 
 if TYPE_CHECKING:
-    from trident.weights.sync import Backend, WeightSync
+    from trident.weights.backend import Backend
+    from trident.weights.sync import WeightSync
 
 __all__ = ["PolicyWorker", "token_logprobs"]
 
@@ -92,7 +93,7 @@ class PolicyWorker:
                 self.teachers[path] = self._frozen(path)
         self.sync: WeightSync | None = None
         self.server_urls: list[str] = []  # every server, as connect() was told (all ranks)
-        self.backend: Backend = "shm"
+        self.backend: Backend = "shm"  # resolved: how often the other ranks gather (stream_passes)
         self.probe: list[int] = []
         self.served_probe: list[float] | None = None  # the probe's logprobs, last pushed version
 
@@ -265,11 +266,13 @@ class PolicyWorker:
     ) -> None:
         """Called once, after the rollout servers are up. ``nodes``: the Ray node of each
         server trident started; a server on another host than rank 0 fetches the shm backend's
-        buckets over HTTP (``WeightSync(remote=...)``)."""
+        buckets over HTTP (``ShmTransport(remote=...)``)."""
         import ray
 
         from trident.cluster.net import node_ip
-        from trident.weights.sync import WeightSync, make_probe, same_host
+        from trident.weights.backend import make_transport
+        from trident.weights.shm import same_host
+        from trident.weights.sync import WeightSync, make_probe
 
         sc = self.cfg.sync
         self.probe = make_probe(self.tokenizer, sc.probe_tokens, seed=self.cfg.run.seed)
@@ -278,19 +281,15 @@ class PolicyWorker:
             node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
             ip = node_ip()
             remote = [u for u in urls if not same_host(u, (nodes or {}).get(u), node, ip)]
-            self.sync = WeightSync(
-                urls,
-                backend=backend,
-                bucket_bytes=sc.bucket_bytes,
-                delta=sc.delta and backend == "shm",
-                full_every=sc.full_every,
-                on_base_mismatch=sc.on_base_mismatch,
+            transport = make_transport(
+                backend,
+                sc,
                 # what a restarted server is brought back to (rollout.max_restarts)
-                keep_served=self.cfg.rollout.max_restarts > 0 and backend == "shm",
-                remote=remote if backend == "shm" else (),
-                serve_host=ip,
-                nccl_master_address=ip,  # the engines join rank 0's group from their hosts
+                keep_served=self.cfg.rollout.max_restarts > 0,
+                remote=remote,
+                host=ip,  # serves the buckets; the engines join rank 0's NCCL group from it
             )
+            self.sync = WeightSync(urls, transport)
             self.sync.init()
 
     def sync_weights(self, version: int, urls: list[str] | None = None) -> dict[str, float]:
@@ -300,6 +299,7 @@ class PolicyWorker:
         The weights stream from the FSDP2 shards: every rank iterates the same sharded state
         dict, each bucket is all-gathered just before rank 0 sends it (``WeightSync.push``),
         and the other ranks take part in the same gathers (``drain``)."""
+        from trident.weights.backend import stream_passes
         from trident.weights.sync import drain, hf_named_tensors, probe_logprobs
 
         # the probe is also what a restarted server is checked against (rollout.max_restarts)
@@ -311,7 +311,7 @@ class PolicyWorker:
             # the GPU backends send to one server at a time, gathering the stream for each
             targets = len(urls if urls is not None else self.server_urls)
             drain(shards)
-            for _ in range(targets - 1 if self.backend != "shm" else 0):
+            for _ in range(stream_passes(self.backend, targets) - 1):
                 drain(hf_named_tensors(self.model, self.tied))
         else:
             assert self.sync is not None  # connect() made it on rank 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import cast
 
 import torch
@@ -12,3 +13,6 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     must call it), a plain tensor is returned as it is; detached either way."""
     full = getattr(tensor, "full_tensor", None)
     return cast(torch.Tensor, full() if callable(full) else tensor).detach()
+
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]  # a weight stream: (HF name, tensor or shard)
