@@ -122,8 +122,8 @@ def check_env_steps(cfg: Any, metrics: list[dict], samples_per_step: int) -> Non
 @pytest.fixture(scope="session")
 def demo_sft_model(tiny_model, tmp_path_factory) -> str:
     """The demo's warm-up (configs/demo.yaml, 1000 steps): the arithmetic is learned (pass@4
-    100%) but the answers come in three styles and the verifier accepts only ``Answer: N``, so
-    greedy accuracy starts at ~49% and RL has accuracy to raise: the starting point of the RL
+    ~80%) but the answers come in three styles and the verifier accepts only ``Answer: N``, so
+    greedy accuracy starts at 20-50% and RL has accuracy to raise: the starting point of the RL
     learning tests."""
     return _sft(tiny_model, tmp_path_factory.mktemp("demo_sft"), configs=(DEMO,))
 
