@@ -121,11 +121,14 @@ def check_env_steps(cfg: Any, metrics: list[dict], samples_per_step: int) -> Non
 
 @pytest.fixture(scope="session")
 def demo_sft_model(tiny_model, tmp_path_factory) -> str:
-    """The demo's warm-up (configs/demo.yaml, 1000 steps): the arithmetic is learned (pass@4
-    ~80%) but the answers come in three styles and the verifier accepts only ``Answer: N``, so
-    greedy accuracy starts at 20-50% and RL has accuracy to raise: the starting point of the RL
-    learning tests."""
-    return _sft(tiny_model, tmp_path_factory.mktemp("demo_sft"), configs=(DEMO,))
+    """The demo's warm-up (configs/demo.yaml, 1000 steps) at the SFT rate the RL learning tests'
+    thresholds were measured from, 4e-3 (the demo now uses 1e-3): the answers come in three
+    styles and the verifier accepts only ``Answer: N``, so greedy accuracy starts at 23-49%
+    (by host) and RL has accuracy to raise: the starting point of the RL learning tests. From the
+    demo's own 1e-3 warm-up (40.5% greedy, pass@4 82%), the GRPO test's 20 constant-rate steps of
+    16 prompts raised the format but not accuracy (0.36 -> 0.41 training) and distillation at lr
+    5e-4 diverged (distill KL 1.05 -> 2.09): those recipes are tuned to this starting point."""
+    return _sft(tiny_model, tmp_path_factory.mktemp("demo_sft"), "sft.lr=4e-3", configs=(DEMO,))
 
 
 @pytest.fixture(scope="session")

@@ -370,8 +370,8 @@ def test_two_ranks_compute_what_one_rank_computes(
 # -- learning ----------------------------------------------------------------------------------
 #
 # Start: the demo's warm-up (``demo_sft_model``, configs/demo.yaml). Its arithmetic is learned
-# (pass@4 ~80%), but its answers come in three styles and the verifier accepts only
-# ``Answer: N``: greedy accuracy on held-out prompts starts at 20-50%. Each test asserts that
+# (pass@4 47-100% by host), but its answers come in three styles and the verifier accepts only
+# ``Answer: N``: greedy accuracy on held-out prompts starts at 23-54%. Each test asserts that
 #   - held-out greedy accuracy (100 test prompts, evaluated before and after the run) rises by
 #     more than 0.1, and
 #   - training accuracy (the verifier's pass rate of the step's 16 prompts x 8 samples) rises
