@@ -14,7 +14,6 @@ and the load average around the run (the 2-core machine is shared, and load infl
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -24,35 +23,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from provenance import REPO, provenance
+
 STEP = re.compile(r"== (\d)/3 .*\((\d+)s\)|== done.*\((\d+)s\)")
 
 
-def host() -> dict[str, Any]:
-    """The CPU (its model name and whether it has AVX-512), cores and the packages that matter."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = re.search(r"model name\s*:\s*(.+)", cpuinfo)
+def packages() -> dict[str, Any]:
+    """Beside ``provenance``'s host: whether the CPU has AVX-512 (the warm-up's float kernels
+    differ with it) and the versions of the packages that matter."""
     import torch
     import transformers
     import vllm
 
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     return {
-        "cpu": model.group(1).strip() if model else platform.processor(),
         "avx512": " avx512f" in cpuinfo,
-        "cores": len(os.sched_getaffinity(0)),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "vllm": vllm.__version__,
     }
-
-
-def commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
-
-    dirty = git("status", "--porcelain", "--", "trident", "configs", "scripts").strip()
-    return git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if dirty else "")
 
 
 def run_seed(seed: int, runs: Path) -> dict[str, Any]:
@@ -134,10 +124,11 @@ def main() -> None:
     p.add_argument("--doc", default=str(REPO / "docs" / "results" / "demo.md"), help="the page")
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    measured = provenance(REPO / "configs" / "demo.yaml")
     result: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit(),
-        "host": host(),
+        "date": measured["date"],
+        "commit": measured["commit"],
+        "host": measured["host"] | packages(),
         "config": "configs/demo.yaml",
         "seeds": [],
     }
