@@ -262,9 +262,19 @@ class SimFleet:
     def __init__(self, servers: list[SimServer]) -> None:
         self.servers = servers
         self.urls = self.up_urls = [s.url for s in servers]
+        self.sessions: dict[str, SimServer] = {}
 
     def pick(self, session_id: str | None = None) -> SimServer:
-        return min(self.servers, key=lambda s: s.outstanding)
+        """The least-loaded server, sticky per session (as ``Router.pick``)."""
+        if session_id is not None and session_id in self.sessions:
+            return self.sessions[session_id]
+        server = min(self.servers, key=lambda s: s.outstanding)
+        if session_id is not None:
+            self.sessions[session_id] = server
+        return server
+
+    def end_session(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
 
     async def available(self) -> None:
         return  # simulated servers never die
@@ -272,7 +282,7 @@ class SimFleet:
     async def failed(self, server: SimServer, error: BaseException) -> bool:
         return False
 
-    async def check(self) -> int:
+    async def check(self, answer_within_s: float = 0.0) -> int:
         return 0
 
     async def abort(self) -> int:

@@ -3,9 +3,11 @@ it and a better checkpoint to distil from."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,7 +57,26 @@ def _sft(model: str, run_dir: Path, *overrides: str, configs: tuple[Path, ...] =
     # every core (trainer.cpu_threads=0, auto): ~20% faster than one thread here, and the same
     # checkpoint byte for byte (checked: the demo's config, and 384-token browser demonstrations)
     base = [f"model.path={model}", f"run.dir={run_dir}", "run.name=sft", "telemetry.progress=false"]
-    return str(run_sft(load_config(list(configs), [*base, *overrides])))
+    cache = os.environ.get("TRIDENT_TEST_CACHE")
+    if not cache:
+        return str(run_sft(load_config(list(configs), [*base, *overrides])))
+    # A developer's cache across pytest sessions (CI sets none): the warm-ups take minutes, and
+    # the same inputs (the base weights, the configs' text, the overrides, the code of trident's
+    # training, data and models) give the same checkpoint, so it is keyed by their hash.
+    key = hashlib.sha256("\0".join(overrides).encode())
+    code = [p for d in ("train", "data", "models") for p in (REPO / "trident" / d).glob("*.py")]
+    for path in [*sorted(Path(model).iterdir()), *map(Path, configs), *sorted(code)]:
+        key.update(path.name.encode() + path.read_bytes())
+    kept = Path(cache) / key.hexdigest()[:16]
+    if not (kept / "config.json").exists():
+        made = run_sft(load_config(list(configs), [*base, *overrides]))
+        scratch = Path(cache) / f"{kept.name}.{os.getpid()}"
+        shutil.copytree(made, scratch)
+        try:
+            scratch.rename(kept)
+        except OSError:  # another session kept the same checkpoint first
+            shutil.rmtree(scratch)
+    return str(kept)
 
 
 STEP0_MEAN_ABS_DLOGP = 1e-4  # as in test_rl_e2e: measured ~1e-7 (same float32 weights)

@@ -90,7 +90,7 @@ def test_partial_rollout_versions_match_the_weights_that_generated_each_token(
         await router.generate(prompt, SamplingParams(max_tokens=32))
         per_32_tokens = time.perf_counter() - t0
         gate, stats = WeightGate(router), RolloutStats()
-        partial = PartialRollout(router, gate, Trace(), stats)
+        partial = PartialRollout(router, gate, Trace(), stats, [])  # the group's record
         params = SamplingParams(n=4, temperature=1.0, max_tokens=256)
         generation = asyncio.create_task(partial.generate(prompt, params))
         # about 100 tokens under version 0, many still to come (speed measured, not assumed)

@@ -371,6 +371,50 @@ def test_partial_rollout_tags_each_segment_with_its_version() -> None:
     assert [versions.count(v) for v in (0, 1, 2)] == pytest.approx([100, 100, 100], abs=2)
 
 
+def test_a_groups_requests_and_a_sessions_turns_stay_on_one_server() -> None:
+    """``separate_async`` sends every sample of a group, and every segment resumed after an
+    update, to the server the group started on (the prompt's prefix cache is there); an agent
+    session's turns likewise. An environment's calls (no group record) each get responses of
+    their own."""
+    calls: list[tuple[str, int, int]] = []  # (server, prompt's first two tokens)
+
+    class Logged(SimServer):
+        async def generate(self, prompt_ids, params, session_id=None):
+            calls.append((self.url, prompt_ids[0], prompt_ids[1]))
+            return await super().generate(prompt_ids, params, session_id)
+
+    async def body() -> list[list[int]]:
+        timing = SimTiming(step_s=0.01, per_seq_s=0.0, prefill_ratio=0.0)
+        fleet = SimFleet(
+            [Logged(f"sim://{i}", LengthModel(100, 0.0, 100), timing) for i in range(3)]
+        )
+        trainer, gate = SimTrainer(fleet, timing), WeightGate(fleet)
+        groups = [PartialRollout(fleet, gate, Trace(), RolloutStats(), []) for _ in range(3)]
+        params = SamplingParams(n=4, max_tokens=100)
+        tasks = [
+            asyncio.create_task(g.generate([k, 0] + [0] * 6, params)) for k, g in enumerate(groups)
+        ]
+        await asyncio.sleep(0.5)  # half-way: every response is interrupted and resumed
+        await gate.update(1, lambda urls: trainer.sync_weights(1, urls))
+        await asyncio.gather(*tasks)
+        env = PartialRollout(fleet, gate, Trace(), RolloutStats())
+        lengths = []
+        for turn in range(3):
+            for session in (7, 8):
+                prompt = [session, turn] + [0] * 6
+                (c,) = await env.generate(prompt, SamplingParams(max_tokens=20), str(session))
+                lengths.append(len(c.token_ids))
+        return lengths
+
+    lengths = run_virtual(body())
+    for first in (0, 1, 2, 7, 8):  # three groups, two sessions
+        mine = [url for url, a, _ in calls if a == first]
+        assert len(set(mine)) == 1, (first, mine)
+        assert len(mine) == (8 if first < 3 else 3)  # a group: 4 samples, each resumed once
+    assert lengths == [20] * 6  # six calls, six responses (none handed back twice)
+    assert len({url for url, a, _ in calls}) > 1  # the groups themselves spread
+
+
 def test_a_dropped_connection_resumes_from_what_came_back() -> None:
     """A segment that fails in transport (the server closed a keep-alive socket) is retried from
     the tokens already received; a server that keeps failing fails the sample."""

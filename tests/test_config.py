@@ -70,7 +70,10 @@ def test_every_preset_loads_as_a_config():
     from trident.config.algo import PRESETS
 
     for preset in PRESETS:
-        extra = ["model.teacher_paths.default=/teacher"] if preset == "opd" else []
+        extra = {
+            "opd": ["model.teacher_paths.default=/teacher"],
+            "async_reinforce": ["rollout.n=1"],  # one response per prompt; n > 1 is refused
+        }.get(preset, [])
         assert load_config([], [f"algo.name={preset}", *extra]).algo.name == preset
 
 

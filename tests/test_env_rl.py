@@ -30,6 +30,7 @@ from trident.envs import env_rows
 from trident.models.load import load_tokenizer
 from trident.pipeline.groups import GroupRollout, split_rows
 from trident.pipeline.run import run_train
+from trident.telemetry.lineage import read_samples
 from trident.telemetry.metrics import read_metrics
 
 AGENT_DEMO = REPO / "configs" / "agent_demo.yaml"
@@ -168,6 +169,32 @@ def test_train_on_an_environment_end_to_end(env_run):
                if m["role"] == "tool" and m.get("name") == "lookup"]  # fmt: skip
     assert results and all((r.startswith("Error: lookup: ") and "no entry" in r) or r in table.values()
                            for r in results), results  # fmt: skip
+
+
+def test_an_environment_trains_in_separate_async(tool_caller, tmp_path):
+    """Multi-turn trajectories streamed under live weight updates (each turn a request through
+    the partial rollout, each trajectory its own session): every trajectory's turns are its own
+    (one shared record once mixed them), the engine computes what the trainer computes at step
+    0, every token within the staleness bound."""
+    cfg = load_config(
+        [],
+        [
+            f"model.path={tool_caller}", f"run.dir={tmp_path}", "run.name=env", *ENV,
+            "pipeline.mode=separate_async", "pipeline.max_staleness=1", "pipeline.steps=3",
+            "pipeline.prompts_per_step=4", "rollout.n=4", "trainer.cpu_threads=1",
+            "eval.before_after=false", "telemetry.progress=false", "telemetry.tensorboard=false",
+        ],
+    )  # fmt: skip
+    run_train(cfg)
+    metrics = read_metrics(cfg.derived.run_dir)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert max(m["agent/turns_mean"] for m in metrics) > 1.0
+    assert metrics[0]["mismatch_abs_logp_diff_mean"] < STEP0_MEAN_ABS_DLOGP
+    for m in metrics:
+        assert m["trained_samples"] + m["untrainable_samples"] + m["infra_errors"] == 16
+        assert m["staleness/max"] <= 1 and m["sync/max_abs_dlogp"] <= cfg.sync.tolerance
+    rows = [r for r in read_samples(cfg.derived.run_dir) if r["trained"]]
+    assert len({r["sample_id"] for r in rows}) == len(rows)
 
 
 def test_env_groups_have_one_trained_span_per_model_turn(tool_caller, tmp_path):

@@ -84,3 +84,21 @@ def test_dry_run_prints_the_placement_plan():
     assert "placement: cpu, 4 CPU bundle(s)" in r.stderr
     assert "bundle 1 0.5 CPU: trainer rank 1 (0.5 CPU)" in r.stderr
     assert "bundle 3 0.5 CPU: rollout server 1 (0.5 CPU)" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("gpus", "ranks", "servers", "placement", "backend"),
+    [
+        (0, 1, 1, "auto", "shm"),  # CPU: shared-memory buckets
+        (1, 1, 1, "auto", "ipc"),  # one GPU, colocated: NCCL would put two ranks on one device
+        (2, 2, 2, "colocated", "shm"),  # server 0 on rank 0's GPU, server 1 on another
+        (4, 2, 2, "auto", "nccl"),  # every actor its own GPU
+    ],
+)
+def test_the_sync_backend_is_one_the_placement_allows(gpus, ranks, servers, placement, backend):
+    from trident.config.schema import SyncConfig
+    from trident.weights.backend import weight_backend
+
+    plan = make_plan(placement, ranks, servers, {"GPU": gpus, "CPU": 16})
+    assert weight_backend(SyncConfig(), plan) == backend
+    assert weight_backend(SyncConfig(backend="nccl"), plan) == "nccl"  # as the user set it

@@ -280,3 +280,21 @@ def test_train_step_reports_the_rl_loss_of_its_tensors(tiny_model):
     assert metrics["loss"] == pytest.approx(expected.sums["loss"], rel=1e-5, abs=1e-7)
     assert metrics["entropy"] == pytest.approx(expected.sums["entropy"] / n, rel=1e-5)
     assert metrics["is_weight_mean"] == pytest.approx(expected.sums["is_weight_mean"] / n, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "budget"),
+    [
+        (["rollout.max_tokens=24"], 24),
+        (["env.name=calc_lookup", "rollout.max_tokens=24", "env.max_response_tokens=200"], 200),
+    ],
+)
+def test_the_length_normaliser_is_the_runs_response_budget(overrides, budget):
+    """Dr. GRPO's L (``seq_mean_token_sum_norm``) is what one sample may write: the per-request
+    ``rollout.max_tokens`` for single-turn tasks, ``env.max_response_tokens`` over a whole
+    trajectory in environment mode (its turns may write far more than one request's cap)."""
+    from trident.config import load_config
+    from trident.train.policy import _loss_spec
+
+    cfg = load_config([], ["algo.name=dr_grpo", *overrides])
+    assert _loss_spec(cfg, 0.0).norm_tokens == budget

@@ -9,7 +9,13 @@ import json
 import pytest
 from conftest import SHORT_RUN_STEPS
 
-from trident.telemetry.metrics import MLFLOW_EXPERIMENT, numeric, read_metrics
+from trident.telemetry.metrics import (
+    MLFLOW_EXPERIMENT,
+    TRACKER_IDS,
+    MetricsLogger,
+    numeric,
+    read_metrics,
+)
 
 # a few of the keys every GRPO step logs: reward, engine/trainer agreement, sync, stage times
 STEP_KEYS = {
@@ -87,3 +93,47 @@ def test_mlflow_file_store_gets_what_metrics_jsonl_gets(short_run, monkeypatch):
             got.setdefault(m.step, {})[key] = m.value
     assert sorted(got) == list(range(SHORT_RUN_STEPS))
     assert got == {r["step"]: numeric(r) for r in expected}
+
+
+def test_a_resumed_run_continues_its_trackers(tmp_path, monkeypatch):
+    """Steps 0-4 logged, then a resume from the checkpoint at step 3 logs 3-5 again, through
+    ``MetricsLogger`` directly: W&B continues the same run id, MLflow the same run (the resumed
+    values the latest at each step, the config as first logged), and TensorBoard shows each step
+    once, the resumed run's value from step 3 on."""
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install 'trident[wandb]')")
+    pytest.importorskip("mlflow", reason="mlflow is not installed (pip install 'trident[mlflow]')")
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri, run_dir = f"file:{tmp_path / 'mlruns'}", tmp_path / "run"
+    first = MetricsLogger(run_dir, True, "trident-test", {"seed": 1}, uri)
+    for step in range(5):
+        first.log(step, {"x": float(step)})
+    first.close()
+    ids = json.loads((run_dir / TRACKER_IDS).read_text())
+    resumed = MetricsLogger(run_dir, True, "trident-test", {"seed": 2}, uri, resume_step=3)
+    assert json.loads((run_dir / TRACKER_IDS).read_text()) == ids
+    for step in range(3, 6):
+        resumed.log(step, {"x": 10.0 + step})
+    resumed.close()
+    want = {0: 0.0, 1: 1.0, 2: 2.0, 3: 13.0, 4: 14.0, 5: 15.0}
+
+    logs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [p.name for p in logs] == [f"run-{ids['wandb']}.wandb"] * 2  # one run, two attempts
+
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(MLFLOW_EXPERIMENT).experiment_id])
+    assert run.info.run_id == ids["mlflow"] and run.info.status == "FINISHED"
+    assert run.data.params["seed"] == "1"
+    latest: dict[int, tuple[int, float]] = {}
+    for m in client.get_metric_history(run.info.run_id, "x"):
+        if m.step not in latest or m.timestamp >= latest[m.step][0]:
+            latest[m.step] = (m.timestamp, m.value)
+    assert {step: value for step, (_, value) in latest.items()} == want
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert {e.step: e.value for e in events.Scalars("x")} == want
+    assert [e.step for e in events.Scalars("x")] == list(want)  # each step once

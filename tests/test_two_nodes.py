@@ -8,10 +8,13 @@ end."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from ray.cluster_utils import Cluster
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 from trident.telemetry.metrics import read_metrics
 
 STEPS = 3
@@ -53,3 +56,28 @@ def test_servers_on_one_node_and_the_trainer_on_the_other(two_nodes, tiny_model,
         log = (tmp_path / "two" / "logs" / f"vllm_server_{i}.log").read_text()
         assert log.count("buckets via http") == STEPS + 1  # the first install, then every step
         assert "buckets via shm" not in log
+
+
+CHECK = """
+import sys, ray
+from trident.cluster.placement import PlacementError
+from trident.cluster.ray_cluster import check_shared
+ray.init(address=sys.argv[1])
+check_shared({"model.path": sys.argv[2]})  # every node sees it
+try:
+    check_shared({"model.path": sys.argv[2], "run.dir": "/nonexistent/run/config.yaml"})
+except PlacementError as e:
+    print(e)
+"""
+
+
+def test_a_path_another_node_does_not_see_fails_before_anything_starts(two_nodes, tiny_model):
+    """``check_shared`` asks each other node (a task pinned to it) whether it sees the paths."""
+    r = subprocess.run(
+        [sys.executable, "-c", CHECK, two_nodes, tiny_model],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith("node ") and "does not see run.dir=/nonexistent/run/config.yaml" in line
+    assert "model.path" not in line.split(":", 1)[0] and "every node" in line

@@ -253,6 +253,36 @@ def test_delta_against_the_wrong_base_is_refused_or_resent_in_full(
     assert ours.transport.held[url] == (ours.version, trainer.checksum())
 
 
+def test_a_repeated_version_goes_only_to_the_servers_that_do_not_hold_it(
+    urls: list[str], tiny_model: str, probe: list[int]
+) -> None:
+    """``WeightGate.update`` repeats a push whose verification failed (a server died between
+    them) on the servers still up: pushing the last version again sends it only to a target
+    that does not hold it, so a delta is never applied twice, and the next delta still applies
+    on both."""
+    a, b = urls
+    sync = WeightSync(urls, ShmTransport(bucket_bytes=BUCKET_BYTES, delta=True))
+    sync.init()
+    trainer = Trainer(tiny_model, seed=6)
+    sync_to(sync, trainer, probe)
+    trainer.step()
+    expected = probe_logprobs(trainer.model, probe)
+    version = sync.version + 1
+    pushed = sync.push(hf_named_tensors(trainer.model, False), version, [a])  # b was down
+    assert pushed["delta"] == 1.0 and pushed["servers_sent"] == 1
+    for targets, sent in (([a], 0), ([a, b], 1), ([b, a], 0)):
+        pushed = sync.push(hf_named_tensors(trainer.model, False), version, targets)
+        assert pushed["servers_sent"] == sent
+        assert pushed.get("delta", 0.0) == 0.0  # b, which missed the delta, gets it in full
+        assert sync.verify(probe, expected, version, TOLERANCE)["max_abs_dlogp"] < TOLERANCE
+    assert sync.transport.held == dict.fromkeys(urls, (version, trainer.checksum()))
+    trainer.step()
+    metrics = sync_to(sync, trainer, probe)  # a delta on both: they hold the same base
+    assert metrics["delta"] == 1.0 and metrics["servers_sent"] == 2
+    with pytest.raises(ValueError, match="older than the last pushed"):
+        sync.push(hf_named_tensors(trainer.model, False), version)
+
+
 def test_corrupted_delta_is_detected(
     urls: list[str], tiny_model: str, probe: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -326,6 +356,7 @@ RANKS_SCRIPT = textwrap.dedent(
         from trident.weights.sync import (
             WeightSync, drain, hf_named_tensors, make_probe, probe_logprobs,
         )
+        from trident.weights.tensors import full_tensor
 
         torch.set_num_threads(1)
         fsdp.init_distributed(rank, world, "127.0.0.1", port)
@@ -352,13 +383,23 @@ RANKS_SCRIPT = textwrap.dedent(
         else:
             drain(hf_named_tensors(model, False))
         gathered = fsdp.full_state_dict(model)  # collective: the old way, all on rank 0
+        # for a bfloat16 engine: each shard cast before its gather (collective)
+        cast = {
+            n: full_tensor(t) for n, t in hf_named_tensors(model, False, dtype=torch.bfloat16)
+        }
         if rank == 0:
             same = sorted(sent) == sorted(gathered) and all(
                 sent[k].dtype == gathered[k].dtype
                 and torch.equal(sent[k].view(torch.uint8), gathered[k].view(torch.uint8))
                 for k in gathered
             )
-            json.dump({"same": same, "tensors": len(sent), **metrics}, open(out, "w"))
+            cast_same = sorted(cast) == sorted(gathered) and all(
+                cast[k].dtype == torch.bfloat16 and torch.equal(cast[k], gathered[k].bfloat16())
+                for k in gathered
+            )
+            ratio = sum(t.nbytes for t in cast.values()) / sum(t.nbytes for t in sent.values())
+            result = {"same": same, "cast_same": cast_same, "cast_bytes_ratio": ratio}
+            json.dump({**result, "tensors": len(sent), **metrics}, open(out, "w"))
         dist.barrier()
         dist.destroy_process_group()
 
@@ -382,5 +423,7 @@ def test_streamed_sync_on_two_fsdp_ranks_equals_the_gathered_one(
     result = json.loads(out.read_text())
     print(f"\n2 ranks, streamed: {result}")
     assert result["same"], "the streamed buckets differ from the gathered state dict"
+    # float32 weights for a bfloat16 engine: cast shard by shard, half the bytes, same values
+    assert result["cast_same"] and result["cast_bytes_ratio"] == 0.5
     assert result["num_buckets"] >= 3 and result["tensors"] == result["num_tensors"]
     assert result["max_abs_dlogp"] < TOLERANCE  # both servers serve the sharded model's weights

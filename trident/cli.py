@@ -8,10 +8,12 @@ unreadable data, a port in use, a server that does not start) print one actionab
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from trident.config import ConfigError, TridentConfig, dump_config, load_config, save_config
 
@@ -84,13 +86,18 @@ def _diff(values: dict, defaults: dict) -> dict:
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
-    from trident.models.factory import count_parameters, init_model
+    from trident.models import factory
 
-    out = init_model(args.out, args.preset, args.seed)
-    from trident.models.load import load_causal_lm
-
-    n = count_parameters(load_causal_lm(str(out)))
-    print(f"wrote {args.preset} checkpoint ({n / 1e6:.2f} M parameters) to {out}")
+    if args.like or args.config:
+        spec = factory.LIKE[args.like] if args.like else json.loads(Path(args.config).read_text())
+        out = factory.init_from_config(
+            args.out, spec, layers=args.layers, dtype=args.dtype, seed=args.seed
+        )
+        what = args.like or args.config
+    else:
+        out, what = factory.init_model(args.out, args.preset, args.seed), args.preset
+    n = factory.checkpoint_parameters(out)
+    print(f"wrote {what} checkpoint ({n / 1e6:.2f} M parameters) to {out}")
     return 0
 
 
@@ -178,31 +185,54 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
         server.stop()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="trident", description="RL post-training for language models."
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _model_parser(sub) -> None:
+    """``trident model init``."""
     model = sub.add_parser(
         "model", help="create local checkpoints", description="Create local checkpoints."
     )
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     init = model_sub.add_parser(
         "init",
-        help="write a small random model + tokenizer + chat template",
-        description="Write a Qwen2-architecture checkpoint with a byte-level BPE tokenizer trained on the "
-        "built-in tasks and a ChatML chat template (tool calls included). Loads in transformers and vLLM.",
+        help="write a random-weight model + tokenizer + chat template",
+        description="Write a checkpoint with trident's byte-level BPE tokenizer (trained on the built-in "
+        "tasks) and a ChatML chat template (tool calls included); loads in transformers and vLLM. A preset "
+        "is a small Qwen2-architecture model; --like and --config build a real architecture at its full "
+        "size (layers, heads, vocabulary, RoPE) with random weights, since no weights are downloaded.",
     )
     init.add_argument("out", help="output directory")
-    init.add_argument(
+    source = init.add_mutually_exclusive_group()
+    source.add_argument(
         "--preset",
         choices=["tiny", "small"],
         default="tiny",
         help="tiny ≈ 0.9 M params (CPU), small ≈ 25 M (GPU)",
     )
+    source.add_argument(
+        "--like",
+        choices=["qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b"],
+        help="a published model's architecture (its config.json), e.g. qwen2.5-0.5b: 494 M params",
+    )
+    source.add_argument("--config", help="a Hugging Face config.json: its architecture")
+    init.add_argument(
+        "--layers", type=int, default=None, help="--like/--config: override num_hidden_layers"
+    )
+    init.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default=None,
+        help="--like/--config: weight dtype (default: the config's, bfloat16 for the --like models)",
+    )
     init.add_argument("--seed", type=int, default=0, help="initialisation seed")
     init.set_defaults(func=cmd_model_init)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trident", description="RL post-training for language models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _model_parser(sub)
 
     p = _job_parser(
         sub,
@@ -305,6 +335,14 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+def _out_of_memory(error: BaseException) -> str | None:
+    if "ray" not in sys.modules:  # no Ray started: not Ray's memory monitor
+        return None
+    from trident.cluster.ray_cluster import out_of_memory
+
+    return out_of_memory(error)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (``kill``, a scheduler ending the job): unwinds like Ctrl-C, so servers, trainer
     and Ray are stopped on the way out (Python's default would exit without any cleanup)."""
@@ -338,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if isinstance(e, _expected_errors()):
             print(f"error: {e}", file=sys.stderr)
+            return 2
+        oom = _out_of_memory(e)
+        if oom is not None:  # a page of Ray's memory tables, in one line
+            print(f"error: {oom}", file=sys.stderr)
             return 2
         raise
 

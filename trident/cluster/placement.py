@@ -11,6 +11,11 @@ its bundle and the share of it the actor asks for (``cluster.placement``):
 - ``auto`` (the default): ``disaggregated`` when the cluster has a device for every actor,
   ``colocated`` otherwise, so a one-GPU box runs colocated.
 
+Reward models (``reward_model`` entries of ``reward.fns``) share one more bundle, the last,
+holding what their actors ask for (their ``num_gpus``, ``num_cpus``): the run's group is named
+``RUN_PLACEMENT_GROUP`` and a reward model's actor is scheduled into its last bundle
+(``trident.rewards.model``), so a plan that reserves every GPU still has room for it.
+
 On a cluster without GPUs every actor gets a bundle of half a CPU (the OS, not Ray, shares the
 cores of a laptop between them). ``reserve`` checks the plan against ``ray.cluster_resources()``
 and fails in seconds with what is missing, then waits a bounded time for the group (a bundle
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,9 +35,10 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from trident.config import TridentConfig
 
-Role = Literal["trainer", "rollout"]
+DeviceRole = Literal["trainer", "rollout"]  # the roles cluster.role_resources names
+Role = Literal[DeviceRole, "reward"]
 RESERVE_TIMEOUT_S = 30.0
-_ROLE_NAMES = {"trainer": "trainer rank", "rollout": "rollout server"}
+_ROLE_NAMES = {"trainer": "trainer rank", "rollout": "rollout server", "reward": "reward model"}
 
 
 class PlacementError(RuntimeError):
@@ -97,17 +103,23 @@ def make_plan(
     num_ranks: int,
     num_servers: int,
     cluster: Mapping[str, float],
-    custom: Mapping[Role, Mapping[str, float]] | None = None,
+    custom: Mapping[DeviceRole, Mapping[str, float]] | None = None,
+    reward_models: Sequence[Mapping[str, float]] = (),
 ) -> Plan:
     """The plan for ``num_ranks`` trainer ranks and ``num_servers`` rollout servers on a
     cluster with ``cluster`` resources (``ray.cluster_resources()``); ``custom``: the extra
     Ray resources each actor of a role asks for (``cluster.role_resources``), which its
-    bundle then holds."""
-    plan = _devices_plan(placement, num_ranks, num_servers, cluster)
+    bundle then holds; ``reward_models``: each reward model actor's ``num_gpus``/``num_cpus``."""
+    reward_gpus = sum(r.get("num_gpus", 0.0) for r in reward_models)
+    plan = _with_reward_models(
+        _devices_plan(placement, num_ranks, num_servers, cluster, reward_gpus), reward_models
+    )
     if not custom:
         return plan
     slots = [
         Slot(s.role, s.index, s.bundle, s.resources, dict(custom.get(s.role, {})))
+        if s.role != "reward"
+        else s
         for s in plan.slots
     ]
     bundles = [dict(b) for b in plan.bundles]
@@ -117,8 +129,25 @@ def make_plan(
     return Plan(plan.mode, bundles, slots)
 
 
+def _with_reward_models(plan: Plan, reward_models: Sequence[Mapping[str, float]]) -> Plan:
+    """``plan`` and one last bundle holding every reward model's share."""
+    if not reward_models:
+        return plan
+    names = {"num_cpus": "CPU", "num_gpus": "GPU"}
+    shares = [{k: float(v) for k, v in r.items() if k == "num_cpus" or v} for r in reward_models]
+    bundle = {names[k]: sum(s.get(k, 0.0) for s in shares) for k in names}
+    bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.5}  # a bundle is never empty
+    last = len(plan.bundles)
+    slots = [Slot("reward", i, last, share) for i, share in enumerate(shares)]
+    return Plan(plan.mode, [*plan.bundles, bundle], [*plan.slots, *slots])
+
+
 def _devices_plan(
-    placement: str, num_ranks: int, num_servers: int, cluster: Mapping[str, float]
+    placement: str,
+    num_ranks: int,
+    num_servers: int,
+    cluster: Mapping[str, float],
+    reward_gpus: float = 0.0,
 ) -> Plan:
     actors: list[tuple[Role, int]] = []
     actors.extend(("trainer", r) for r in range(num_ranks))
@@ -129,7 +158,7 @@ def _devices_plan(
         return Plan("cpu", [{"CPU": 0.5}] * len(actors), slots)
     gpus = int(cluster["GPU"])
     if placement == "auto":
-        placement = "disaggregated" if gpus >= len(actors) else "colocated"
+        placement = "disaggregated" if gpus >= len(actors) + reward_gpus else "colocated"
     if placement == "disaggregated":
         whole = {"num_gpus": 1.0, "num_cpus": 1.0}
         slots = [Slot(role, i, b, whole) for b, (role, i) in enumerate(actors)]
@@ -148,9 +177,12 @@ def _devices_plan(
 def plan_for(cfg: TridentConfig, cluster: Mapping[str, float]) -> Plan:
     """The run's plan: its trainer ranks, and its rollout servers unless it attaches to servers
     started elsewhere (``rollout.server_urls``)."""
+    from trident.rewards.model import actor_resources
+
     servers = 0 if cfg.rollout.server_urls else cfg.rollout.num_servers
     c = cfg.cluster
-    return make_plan(c.placement, cfg.trainer.num_ranks, servers, cluster, c.role_resources)
+    rms = [actor_resources(f.kwargs) for f in cfg.reward.fns if f.name == "reward_model"]
+    return make_plan(c.placement, cfg.trainer.num_ranks, servers, cluster, c.role_resources, rms)
 
 
 def check_fits(plan: Plan, cluster: Mapping[str, float]) -> None:
@@ -161,9 +193,11 @@ def check_fits(plan: Plan, cluster: Mapping[str, float]) -> None:
             need[k] = need.get(k, 0.0) + v
     short = {k: (v, cluster.get(k, 0.0)) for k, v in need.items() if v > cluster.get(k, 0.0) + 1e-9}
     if short:
+        counts = {role: sum(s.role == role for s in plan.slots) for role in _ROLE_NAMES}
         asked = " + ".join(
-            f"{sum(s.role == role for s in plan.slots)} {name}s"
+            f"{counts[role]} {name}s"
             for role, name in reversed(_ROLE_NAMES.items())
+            if counts[role] or role != "reward"
         )
         missing = ", ".join(
             f"{v:g} {k} needed, {h:g} in the cluster" for k, (v, h) in short.items()
@@ -188,7 +222,9 @@ def reserve(plan: Plan, timeout_s: float = RESERVE_TIMEOUT_S) -> Iterator[Plan]:
     if not plan.bundles:
         yield plan
         return
-    group = placement_group(plan.bundles, strategy="PACK")
+    from trident.rewards.model import RUN_PLACEMENT_GROUP
+
+    group = placement_group(plan.bundles, strategy="PACK", name=RUN_PLACEMENT_GROUP)
     try:
         try:
             ray.get(group.ready(), timeout=timeout_s)

@@ -4,13 +4,21 @@ import it through trident's plugin)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
+def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent dies (``PR_SET_PDEATHSIG``;
     Linux only, a no-op elsewhere). SIGTERM by default, so the process can stop its own children
-    on the way out."""
+    on the way out.
+
+    ``parent``: the pid that started this process, when the caller knows it. The kernel sends
+    nothing for a parent that died before the request (a window at every start: the process
+    is then an orphan already), so if ``parent`` is no longer this process's parent, ``sig``
+    comes at once."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+        if parent is not None and os.getppid() != parent:
+            os.kill(os.getpid(), sig)

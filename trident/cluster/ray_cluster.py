@@ -6,12 +6,15 @@ Where each role's actors run is the placement plan's (``trident.cluster.placemen
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 from typing import Any
 
 import ray
+from ray.exceptions import OutOfMemoryError
 
+from trident.cluster.placement import PlacementError
 from trident.config.schema import ClusterConfig
 
 
@@ -30,3 +33,60 @@ def init_ray(cluster_cfg: ClusterConfig) -> None:
         # ray.init replaces the SIGTERM handler with one that aborts the driver; put back the
         # CLI's, which unwinds and stops servers, trainer and Ray on the way out
         signal.signal(signal.SIGTERM, on_sigterm)
+
+
+SMALLER = (
+    "lower trainer.micro_batch_tokens or trainer.logprob_chunk_tokens, or set "
+    "trainer.activation_checkpointing=true, model.lora, or rollout.max_restarts=0 "
+    "(no kept copy of the served weights)"
+)
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """One line for Ray's memory monitor killing the run's workers (``error``: what the driver
+    got, a page of memory tables), or None for any other error: what was killed, with its
+    memory, the node's usage, and the settings that make the run smaller."""
+    text = str(error)
+    if not isinstance(error, OutOfMemoryError) and "memory usage threshold" not in text:
+        return None
+    selected = text.split("Selected to kill:", 1)[-1]
+    killed = [
+        f"{name.split('.')[0]} ({used})"
+        for name, used in re.findall(r"task name=([\w.]+)[^\n]*?memory used=([\d.]+ ?GB)", selected)
+    ]
+    node = re.search(r"was ([\d.]+ ?GB)(?: used)? / ([\d.]+ ?GB)", text)
+    return (
+        f"Ray's memory monitor killed {', '.join(dict.fromkeys(killed)) or 'a worker'}"
+        + (f" with the node at {node[1]} of {node[2]}" if node else "")
+        + f": the run does not fit in memory; {SMALLER}"
+    )
+
+
+@ray.remote(num_cpus=0)
+def _missing(paths: list[str]) -> list[str]:
+    return [p for p in paths if not os.path.exists(p)]
+
+
+def check_shared(paths: dict[str, str]) -> None:
+    """Every other live node of the cluster sees each of ``paths`` (setting -> path): the
+    servers and ranks there read the model from it and write logs and checkpoints into the run
+    directory. Fails in seconds, before anything starts, with one line naming the node and what
+    it does not see; a no-op on one node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    others = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] != here]
+    asked = {
+        n["NodeManagerAddress"]: _missing.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+        ).remote(list(paths.values()))
+        for n in others
+    }
+    for address, missing in zip(asked, ray.get(list(asked.values()), timeout=120), strict=True):
+        if missing:
+            unseen = ", ".join(f"{k}={v}" for k, v in paths.items() if v in missing)
+            raise PlacementError(
+                f"node {address} does not see {unseen}: trident reads the model and writes the "
+                "run directory from every node, so they must be on a filesystem every node "
+                "mounts at the same path (NFS, a shared volume)"
+            )

@@ -57,6 +57,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "reinforce_pp_baseline": {"advantage": "reinforce_pp_baseline"},
     "opd": {"advantage": "grpo", "distill_coef": 1.0, "reward_coef": 0.0},
+    # Critic-free, single-sample asynchronous REINFORCE: one response per prompt (rollout.n = 1),
+    # A = r - b with b a running EMA baseline (per prompt when prompts repeat, else global), and
+    # l_t = -w_t A log pi(o_t) (Williams 1992), w_t the async modes' truncated IS weight
+    # min(pi_prox / mu, is_cap) of a stale token. One rollout per prompt and token IS as in
+    # FlashREINFORCE (OpenRLHF #1340), which baselines with the batch mean instead.
+    "async_reinforce": {"advantage": "running_baseline", "policy_loss": "reinforce"},
 }
 
 
@@ -76,6 +82,7 @@ class AlgoConfig(BaseModel):
         "reinforce_pp",
         "reinforce_pp_baseline",
         "opd",
+        "async_reinforce",
     ] = Field(default="grpo", description="Preset that sets the defaults of the fields below.")
     advantage: AdvantageEstimator = Field(default="grpo", description="Advantage estimator.")
     policy_loss: PolicyLoss = Field(default="ppo_clip", description="Policy loss.")

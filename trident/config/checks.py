@@ -35,6 +35,11 @@ def combination_errors(cfg: TridentConfig) -> list[str]:
             f"algo.advantage={algo.advantage} compares samples of a group: set rollout.n >= 2 "
             "(or algo.advantage=running_baseline for single samples)"
         )
+    if algo.name == "async_reinforce" and cfg.rollout.n > 1:
+        errors.append(
+            f"algo.name=async_reinforce trains one response per prompt: set rollout.n=1 (got "
+            f"{cfg.rollout.n}; for groups of responses use grpo, rloo or reinforce_pp_baseline)"
+        )
     if algo.advantage == "gae" and not algo.use_critic:
         errors.append("algo.advantage=gae needs a critic: set algo.use_critic=true")
     if algo.use_critic and algo.advantage != "gae":

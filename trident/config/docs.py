@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import get_args
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -25,6 +26,20 @@ def _default(field: FieldInfo) -> str:
     return f"`{json.dumps(value) if not isinstance(value, str) else value or chr(34) * 2}`"
 
 
+def _rows(prefix: str, section: type[BaseModel]) -> list[str]:
+    """A section's table rows; an optional sub-section (``model.lora``) gets its own rows
+    below its key."""
+    rows = []
+    for key, f in section.model_fields.items():
+        desc = (f.description or "").replace("|", "\\|")
+        rows.append(f"| `{prefix}.{key}` | {_default(f)} | {desc} |")
+        args = get_args(f.annotation)  # X | None
+        for sub in args if type(None) in args else ():
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                rows += _rows(f"{prefix}.{key}", sub)
+    return rows
+
+
 def render() -> str:
     lines = []
     for name, field in TridentConfig.model_fields.items():
@@ -32,9 +47,7 @@ def render() -> str:
         assert isinstance(section, type) and issubclass(section, BaseModel)
         lines += [f"#### `{name}`", "", (section.__doc__ or "").strip().splitlines()[0], ""]
         lines += ["| key | default | description |", "|---|---|---|"]
-        for key, f in section.model_fields.items():
-            desc = (f.description or "").replace("|", "\\|")
-            lines.append(f"| `{name}.{key}` | {_default(f)} | {desc} |")
+        lines += _rows(name, section)
         lines.append("")
     return "\n".join(lines).strip() + "\n"
 

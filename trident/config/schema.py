@@ -36,12 +36,14 @@ class RunConfig(Section):
     resume: str = Field(
         default="never",
         description="`auto`: continue from the newest complete checkpoint of the run directory "
-        "(`trident train --resume`); `never`: a run directory that already holds a run is refused; "
-        "or the path of a checkpoint directory to continue from.",
+        "(`trident train --resume`), or with none start over, its files moved to "
+        "`<run dir>/attempts/<time>/`; `never`: a run directory that already holds a run is "
+        "refused; or the path of a checkpoint directory to continue from.",
     )
     overwrite: bool = Field(
         default=False,
-        description="Delete what an existing run directory holds and start over (with resume=never).",
+        description="Start over in a run directory that already holds a run (with "
+        "resume=never); what it holds is moved to `<run dir>/attempts/<time>/`, not deleted.",
     )
     hang_timeout_s: float = Field(
         default=1800.0,
@@ -59,6 +61,38 @@ class RunConfig(Section):
         ge=0,
         description="When a trainer rank dies: restart everything from the newest checkpoint "
         "this many times (an automatic --resume); 0 = stop with the checkpoint to resume from.",
+    )
+
+
+class LoraConfig(Section):
+    """LoRA adapters on the policy (peft): only they train and carry optimizer state; the
+    servers get the merged weights."""
+
+    r: int = Field(default=16, ge=1, description="Rank of each adapter.")
+    alpha: int = Field(
+        default=32, ge=1, description="Scale numerator: an adapter adds (B @ A) * alpha / r."
+    )
+    dropout: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapters' input, in forward passes made in training mode "
+        "(the RL policy is in it only with trainer.activation_checkpointing); 0 keeps the "
+        "trainer's logprobs deterministic.",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],  # fmt: skip
+        min_length=1,
+        description="Names of the nn.Linear layers that get an adapter (peft's target_modules; "
+        "the default: every projection of a Llama/Qwen decoder layer).",
     )
 
 
@@ -83,6 +117,11 @@ class ModelConfig(Section):
     critic_path: str = Field(
         default="",
         description="Checkpoint the critic's backbone starts from (algo.use_critic); empty = model.path.",
+    )
+    lora: LoraConfig | None = Field(
+        default=None,
+        description="LoRA adapters on the policy (`model.lora={r: 16}`); absent = full "
+        "fine-tuning. The critic, reference and teachers are unaffected.",
     )
 
 
@@ -256,6 +295,13 @@ class RolloutConfig(Section):
         description="Seconds between health checks of each server (two misses in a row take "
         "it out); a failed request checks at once (0 = only on failures).",
     )
+    liveness_timeout_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="A server with requests of ours pending whose engine makes no progress "
+        "(its /metrics token counters and KV-cache usage unchanged) for this long is frozen: "
+        "taken out, its process group killed and restarted like a dead one (0 = off).",
+    )
     server_urls: list[str] = Field(
         default_factory=list,
         description="Attach to vLLM servers started elsewhere (`trident rollout serve`) instead "
@@ -279,12 +325,34 @@ class TrainerConfig(Section):
         default="constant", description="Learning-rate schedule after warm-up."
     )
     micro_batch_tokens: int = Field(
-        default=8192, ge=16, description="Token budget of one micro-batch (padding included)."
+        default=8192,
+        ge=16,
+        description="Token budget of one micro-batch (padding included, unless packing).",
     )
     mini_batches: int = Field(
         default=1,
         ge=1,
         description="Optimizer steps per training step (the batch is split into this many).",
+    )
+    packing: bool = Field(
+        default=False,
+        description="Pack each micro-batch's samples into one row with no padding (positions restart per sample; "
+        "attention stays within a sample), and fill micro_batch_tokens with real tokens instead of rows x longest "
+        "row. The critic runs padded.",
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="Keep only each decoder layer's input in the forward pass and recompute the layer in the "
+        "backward pass (transformers' gradient checkpointing, non-reentrant): activation memory of one layer instead "
+        "of all, for about one more forward pass of compute. Policy, critic and SFT.",
+    )
+    logprob_chunk_tokens: int = Field(
+        default=1024,
+        ge=0,
+        description="Token positions whose vocabulary projection (logits, logprob, entropy) is held at once, forward "
+        "and backward, each chunk projected again in the backward pass: memory bounded by a few chunk x vocab float32 "
+        "grids instead of several micro-batch x vocab ones (1024 x 151,936 = 0.6 GB a grid). 0 = the whole "
+        "micro-batch at once. Heads that scale or soft-cap logits always take the whole grid.",
     )
     cpu_threads: int = Field(
         default=0,
@@ -387,6 +455,13 @@ class SyncConfig(Section):
     )
     probe_tokens: int = Field(
         default=32, ge=4, description="Length of the probe sequence for verification."
+    )
+    timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Bound on each call of a sync to a server (pause, each bucket, verify): one that "
+        "does not answer fails the sync, and is restarted like a dead one if it cannot then generate a token "
+        "within rollout.liveness_timeout_s (a frozen engine); the sync is repeated without it.",
     )
     tolerance: float = Field(
         default=2e-3,

@@ -10,6 +10,7 @@ and in a vLLM server, exactly like a real checkpoint.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,86 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=2048,
     ),
 }
+
+
+# Published architectures, as their model cards' config.json files give them (huggingface.co/
+# Qwen/Qwen2.5-0.5B, Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B): every field that shapes the
+# network or its numerics. The token ids (bos/eos/pad) are not copied: they name the real
+# tokenizer's tokens, and a checkpoint built here carries trident's tokenizer instead.
+LIKE: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        max_window_layers=24,
+        sliding_window=32768,
+        use_sliding_window=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        vocab_size=151936,
+        torch_dtype="bfloat16",
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        hidden_act="silu",
+        max_position_embeddings=40960,
+        max_window_layers=28,
+        sliding_window=None,
+        use_sliding_window=False,
+        attention_bias=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_scaling=None,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        vocab_size=151936,
+        torch_dtype="bfloat16",
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        attention_bias=False,
+        mlp_bias=False,
+        pretraining_tp=1,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        vocab_size=128256,
+        torch_dtype="bfloat16",
+    ),
+}
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def _corpus(num_rows: int = 3000) -> list[str]:
@@ -150,6 +231,70 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     tokenizer.save_pretrained(out)
     (out / "trident.json").write_text(json.dumps({"preset": preset, "seed": seed}) + "\n")
     return out
+
+
+def hf_config(spec: dict[str, Any], layers: int | None = None):
+    """The transformers config of a config.json's fields ``spec`` (``layers`` overrides
+    ``num_hidden_layers``; ``torch_dtype``/``dtype`` is the checkpoint's dtype)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in spec.items() if k not in ("architectures", *_TOKEN_ID_KEYS)}
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+        fields.pop("layer_types", None)  # per-layer lists follow the layer count
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("the config has no model_type (a Hugging Face config.json has one)")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def init_from_config(
+    out_dir: str | Path,
+    spec: dict[str, Any],
+    *,
+    layers: int | None = None,
+    dtype: str | None = None,
+    seed: int = 0,
+    tokenizer_vocab: int = 2048,
+) -> Path:
+    """Write a random-weight checkpoint of the architecture ``spec`` (a config.json's fields, e.g.
+    ``LIKE[name]``) with trident's tokenizer (``tokenizer_vocab`` entries, the chat template):
+    the vocabulary stays at the config's size, and ids past the tokenizer's never occur. The
+    weights are in ``dtype`` (default: the config's, else float32), in safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = hf_config(spec, layers)
+    tokenizer = build_tokenizer(tokenizer_vocab)
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"vocab_size {config.vocab_size} < the tokenizer's {len(tokenizer)}")
+    bos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = bos_id, eos_id, pad_id
+    name = dtype or str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    config.dtype = name
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, name))
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    meta = {"architecture": config.model_type, "layers": config.num_hidden_layers, "seed": seed}
+    (out / "trident.json").write_text(json.dumps(meta) + "\n")
+    return out
+
+
+def checkpoint_parameters(path: str | Path) -> int:
+    """Parameters of a safetensors checkpoint, from the files' headers (nothing loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():  # noqa: SIM118  # safe_open is not a mapping
+                total += math.prod(st.get_slice(key).get_shape())
+    return total
 
 
 def count_parameters(model) -> int:

@@ -249,9 +249,9 @@ class RolloutBuffer:
         self._changed.notify()
 
     @property
-    def ready_samples(self) -> int:
-        """Samples of the finished groups waiting for the trainer."""
-        return sum(len(r.samples) for r in self._ready)
+    def waiting(self) -> list[Sample]:
+        """The samples of the finished groups waiting for the trainer."""
+        return [s for r in self._ready for s in r.samples]
 
     @property
     def depth(self) -> dict[str, int]:

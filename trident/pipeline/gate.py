@@ -9,7 +9,8 @@ A weight update, in every mode (``WeightGate.update``):
 3. push and verify the new weights (``PolicyWorker.sync_weights``) on the servers that are up (a
    server being restarted gets the served version when it rejoins: ``trident.pipeline.recovery``);
    a server that died since its last request is found by a health check first, and one that dies
-   during the push fails it, is taken out, and the push is repeated once without it;
+   during the push or before its verification fails it, is taken out, and the push is repeated
+   once without it (``WeightSync.push`` sends it only to servers that do not hold it yet);
 4. reset every server's prefix cache (``/reset_prefix_cache``), so no request reuses KV blocks
    computed by the old weights (a prompt seen again in a later epoch would otherwise be served
    from the old policy's cache);
@@ -57,6 +58,10 @@ class ServerPool(Protocol):
         """Called for each request: the least-loaded server that is up (sticky per session)."""
         ...
 
+    def end_session(self, session_id: str) -> None:
+        """Called when a session's requests are done: its server is no longer kept for it."""
+        ...
+
     async def available(self) -> None:
         """Called before each request: returns once a server is up (one may be restarting)."""
         ...
@@ -73,17 +78,21 @@ class ServerPool(Protocol):
         """Called by a weight update once nothing is in flight."""
         ...
 
-    async def check(self) -> int:
+    async def check(self, answer_within_s: float = 0.0) -> int:
         """Called by a weight update before it pushes (and after a push fails): take out the
-        servers that do not answer; returns how many."""
+        servers that do not answer (``answer_within_s``: or do not generate a token within that
+        long); returns how many."""
         ...
 
 
 class WeightGate:
     """See the module docstring for the update protocol."""
 
-    def __init__(self, servers: ServerPool, version: int = 0) -> None:
+    def __init__(self, servers: ServerPool, version: int = 0, answer_within_s: float = 0.0) -> None:
+        """``answer_within_s``: after a failed push, a server that does not generate a token
+        within that long is taken out (and restarted) like a dead one."""
         self.servers, self.version = servers, version
+        self.answer_within_s = answer_within_s
         self.inflight = 0
         self._open = asyncio.Event()
         self._open.set()
@@ -130,7 +139,9 @@ class WeightGate:
         try:
             return await push(urls)
         except Exception:
-            await self.servers.check()
+            # A server that froze during the sync (its engine core stopped) fails the sync's
+            # calls by timeout while its /health still answers: a token is asked of each.
+            await self.servers.check(self.answer_within_s)
             # Every server pushed to is still up: the push itself failed. (A server taken out
             # meanwhile, by this check or by a failed request, is left out of the retry.)
             if set(urls) <= set(self.servers.up_urls):

@@ -5,6 +5,23 @@ back in.
    answer is taken out of the router at once (``Router.failed``), and the periodic check
    (``rollout.health_check_s``) takes out one that fails two checks in a row even while nothing
    is sent to it.
+
+   A frozen server is a dead one. A stopped (``SIGSTOP``) or wedged engine core leaves its API
+   server answering ``/health``, so liveness is checked by the engine's work instead
+   (``Liveness``): a server that has requests of ours pending (``VLLMClient.outstanding``) and
+   whose engine makes no progress for ``rollout.liveness_timeout_s`` (read from ``/metrics``
+   every fifth of that: tokens prefilled, tokens generated, KV-cache usage;
+   ``VLLMClient.progress``) is taken out like a dead one; its restart kills its process group.
+   Why a live server cannot trip it: a busy one progresses every engine step, whatever its
+   queue. With a full batch, the running requests decode a token each step (vLLM schedules
+   its running requests before any waiting one), so the generated-token count moves however long the waiting queue; a long
+   prompt is prefilled in chunks alongside those decodes, and each chunk takes KV-cache blocks
+   (usage moves) before the prompt's first token counts; the only step with none of these is
+   one whose requests are all mid-prefill, bounded by one ``max_model_len`` prompt's prefill,
+   seconds where the default timeout is a minute. A paused server has none of ours pending: the
+   weight gate drains (aborts and awaits) every request before a sync pauses the servers, and
+   an idle one has none either, so neither is judged. A frozen API server no longer answers
+   ``/health`` (nor ``/metrics``) and is taken out by the health check after two misses.
 2. **Resubmission.** The request that failed is sent again to a server that is up: a streamed
    sample from the prefix it had already received (``separate_async.PartialRollout``: every
    token keeps the version that produced it), a whole group again from its prompt (``sync``,
@@ -17,7 +34,9 @@ back in.
 4. **Rejoin.** The restarted server serves the start-up weights, so rank 0 pushes it its kept
    copy of the version being served (``WeightSync.rejoin``: whatever the trainer has learned
    since is not in it) and verifies it with that version's probe, like every sync. This holds the
-   weight gate's lock, so no weight update runs meanwhile; then the router sends to it again.
+   weight gate's lock, so no weight update runs meanwhile; then the router sends to it again. A
+   server that dies during its rejoin (it no longer answers ``/health``) is restarted again,
+   within ``rollout.max_restarts``.
 
 Each recovery is timed (detected -> back in) into ``rollout/recovery_s``; ``rollout/restarts``
 counts them over the run. It is also a ``restart`` span on the server in the run's trace, so a
@@ -39,11 +58,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from trident.cluster.placement import Plan
+from trident.cluster.ray_cluster import out_of_memory
 from trident.pipeline.gate import WeightGate
 from trident.rollout.engine import VLLMClient
 from trident.rollout.router import Router
 from trident.rollout.vllm_server import log_tail
 from trident.telemetry.trace import Trace
+from trident.train.group import TrainerRankError
 
 
 class ServerDiedError(RuntimeError):
@@ -54,6 +76,7 @@ class ServerRestarter(Protocol):
     """The rollout servers' owner (``trident.rollout.fleet.RolloutFleet``)."""
 
     nodes: dict[str, str]  # each server's url -> the Ray node it runs on
+    plan: Plan | None  # where the servers were placed (None: each asked Ray for a share)
 
     async def restart(self, i: int) -> VLLMClient:
         """Called for each recovery: restart server ``i`` on its url, return a client for it."""
@@ -70,9 +93,29 @@ class Rejoiner(Protocol):
         ...
 
 
+class Liveness:
+    """The frozen-engine rule for one server (module docstring, 1.): how long its engine has
+    made no progress while requests of ours were pending on it."""
+
+    def __init__(self) -> None:
+        self.mark: tuple[float, ...] | None = None  # the progress last seen
+        self.since: float | None = None  # when it was seen with requests pending
+
+    def stalled_s(self, now: float, pending: int, progress: tuple[float, ...] | None) -> float:
+        """Called every check with the requests of ours in flight and ``progress`` as read
+        (None: unreadable, then nothing is judged); the seconds without progress since requests
+        were pending, 0 when none are or the engine moved."""
+        if not pending or progress is None or progress != self.mark:
+            self.mark, self.since = progress, now if pending and progress is not None else None
+            return 0.0
+        if self.since is None:
+            self.since = now
+        return now - self.since
+
+
 class ServerRecovery:
-    """See the module docstring. ``watch()`` is the periodic health check; ``close()`` stops it
-    and any recovery under way."""
+    """See the module docstring. ``watch()`` runs the periodic health and liveness checks;
+    ``close()`` stops any recovery under way."""
 
     def __init__(
         self,
@@ -84,10 +127,12 @@ class ServerRecovery:
         health_check_s: float,
         trace: Trace | None = None,
         clock: Callable[[], float] = time.monotonic,
+        liveness_timeout_s: float = 0.0,
     ) -> None:
         self.router, self.gate, self.trainer, self.fleet = router, gate, trainer, fleet
         self.trace = trace or Trace()  # a recovery is a span (``restart``) the watchdog can name
         self.max_restarts, self.health_check_s, self.clock = max_restarts, health_check_s, clock
+        self.liveness_timeout_s = liveness_timeout_s
         self.restarts = [0] * len(router.clients)
         self.last_recovery_s: float | None = None  # detected -> back in, the latest recovery
         self._tasks: set[asyncio.Task] = set()
@@ -97,13 +142,7 @@ class ServerRecovery:
         """``Router.on_down``: server ``i`` was taken out; restart it (or give up)."""
         url = self.router.clients[i].url
         if self.restarts[i] >= self.max_restarts:
-            self.router.give_up(
-                ServerDiedError(
-                    f"rollout server {i} ({url}) died and has been restarted "
-                    f"{self.restarts[i]} times already (rollout.max_restarts="
-                    f"{self.max_restarts}); {self._log(i)}"
-                )
-            )
+            self.router.give_up(ServerDiedError(self._too_often(i)))
             return
         self.restarts[i] += 1
         print(
@@ -120,23 +159,39 @@ class ServerRecovery:
             await self._restart(i, detected)
 
     async def _restart(self, i: int, detected: float) -> None:
-        try:
-            client = await self.fleet.restart(i)
-        except Exception as e:
-            self.router.give_up(
-                ServerDiedError(
-                    f"rollout server {i} died and could not be restarted: {e}\n{self._log(i)}"
+        while True:
+            try:
+                client = await self.fleet.restart(i)
+            except Exception as e:
+                self.router.give_up(
+                    ServerDiedError(
+                        f"rollout server {i} died and could not be restarted: "
+                        f"{out_of_memory(e) or e}\n{self._log(i)}"
+                    )
                 )
-            )
-            return
-        try:
-            async with self.gate.exclusive():  # no weight update between rejoin and back in
-                await self.trainer.rejoin(client.url)
-                self.router.bring_in(i, client)
-                version = self.gate.version
-        except Exception as e:  # the trainer's own failure (a dead rank, a failed verify)
-            self.router.give_up(e)
-            return
+                return
+            try:
+                async with self.gate.exclusive():  # no weight update between rejoin and back in
+                    await self.trainer.rejoin(client.url)
+                    self.router.bring_in(i, client)
+                    version = self.gate.version
+                break
+            except Exception as e:
+                # A trainer's failure (a dead rank, a failed verify of a live server) stops the
+                # run; a server that died again during its rejoin is restarted again.
+                if isinstance(e, TrainerRankError) or await client.healthy():
+                    self.router.give_up(e)
+                    return
+                await client.aclose()
+                if self.restarts[i] >= self.max_restarts:
+                    self.router.give_up(ServerDiedError(f"{self._too_often(i)}; {e}"))
+                    return
+                self.restarts[i] += 1
+                print(
+                    f"rollout server {i} ({client.url}) died during its rejoin: restarting it "
+                    f"({self.restarts[i]}/{self.max_restarts})",
+                    file=sys.stderr,
+                )
         seconds = self.clock() - detected
         self.last_recovery_s = seconds
         print(
@@ -145,6 +200,10 @@ class ServerRecovery:
         )
 
     async def watch(self) -> None:
+        """The periodic checks, until cancelled: health and liveness."""
+        await asyncio.gather(self._health(), self._liveness())
+
+    async def _health(self) -> None:
         """Every ``rollout.health_check_s``: take out a server that failed two checks in a row."""
         if self.health_check_s <= 0:
             return
@@ -159,11 +218,45 @@ class ServerRecovery:
                 if misses[i] >= 2:
                     self.router.take_out(i)
 
+    async def _liveness(self) -> None:
+        """Every fifth of ``rollout.liveness_timeout_s``: take out a server whose engine made no
+        progress for that long with requests of ours pending (``Liveness``)."""
+        if self.liveness_timeout_s <= 0:
+            return
+        rules = [Liveness() for _ in self.router.clients]
+        while True:
+            await asyncio.sleep(self.liveness_timeout_s / 5)
+            await asyncio.gather(*(self._judge(i, rule) for i, rule in enumerate(rules)))
+
+    async def _judge(self, i: int, rule: Liveness) -> None:
+        """One liveness check of server ``i``: take it out if ``rule`` finds it frozen."""
+        client = self.router.clients[i]
+        pending = client.outstanding if self.router.up[i] else 0
+        progress = await client.progress() if pending else None
+        stalled = rule.stalled_s(self.clock(), pending, progress)
+        if stalled < self.liveness_timeout_s or self.router.clients[i] is not client:
+            return
+        if self.router.up[i]:
+            print(
+                f"rollout server {i} ({client.url}) is frozen: {pending} requests pending and "
+                f"no engine progress for {stalled:.0f} s "
+                f"(rollout.liveness_timeout_s={self.liveness_timeout_s:g})",
+                file=sys.stderr,
+            )
+            self.router.take_out(i)
+
     def metrics(self) -> dict[str, float]:
         out = {"rollout/restarts": float(sum(self.restarts))}
         if self.last_recovery_s is not None:
             out["rollout/recovery_s"] = self.last_recovery_s
         return out
+
+    def _too_often(self, i: int) -> str:
+        return (
+            f"rollout server {i} ({self.router.clients[i].url}) died and has been restarted "
+            f"{self.restarts[i]} times already (rollout.max_restarts={self.max_restarts}); "
+            f"{self._log(i)}"
+        )
 
     def _log(self, i: int) -> str:
         return f"its log ({self.fleet.log_path(i)}) ends:\n{log_tail(self.fleet.log_path(i))}"

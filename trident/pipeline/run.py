@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from trident.cluster.placement import plan_for, reserve
-from trident.cluster.ray_cluster import init_ray
+from trident.cluster.ray_cluster import check_shared, init_ray
 from trident.config import TridentConfig, save_config
 from trident.pipeline import checkpoint, colocate_async, separate_async, sync
 from trident.pipeline.harness import RunHarness, RunTrainer
@@ -24,7 +24,7 @@ from trident.pipeline.recovery import ServerRestarter
 from trident.rollout.fleet import RolloutFleet, attach
 from trident.rollout.router import Router
 from trident.telemetry.metrics import MetricsLogger
-from trident.train.group import TrainerGroup, TrainerRankError
+from trident.train.group import TrainerGroup, TrainerOutOfMemory, TrainerRankError
 from trident.weights.backend import server_backend
 
 DRIVERS: dict[str, Callable[[RunHarness], Awaitable[None]]] = {
@@ -40,16 +40,18 @@ def run_train(cfg: TridentConfig) -> dict[str, Any]:
 
     A trainer rank that dies stops the run with the checkpoint to resume from; with
     ``run.max_restarts`` the run resumes from it by itself (everything restarted: exact, like
-    ``--resume``), that many times."""
+    ``--resume``), that many times, or starts over when it died before the first checkpoint
+    (what the attempt wrote is set aside in ``attempts/``, like ``--resume`` does)."""
     for restart in range(cfg.run.max_restarts + 1):
         try:
             return _run_once(cfg)
         except TrainerRankError as e:
+            if restart == cfg.run.max_restarts or isinstance(e, TrainerOutOfMemory):
+                raise  # out of memory: it would run out again
             ckpt = checkpoint.newest(Path(cfg.derived.run_dir))
-            if restart == cfg.run.max_restarts or ckpt is None:
-                raise
+            where = f"from {ckpt}" if ckpt else "from the start"
             print(
-                f"{e}: restarting from {ckpt} ({restart + 1}/{cfg.run.max_restarts})",
+                f"{e}: restarting {where} ({restart + 1}/{cfg.run.max_restarts})",
                 file=sys.stderr,
             )
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
@@ -62,19 +64,30 @@ def _run_once(cfg: TridentConfig) -> dict[str, Any]:
     save_config(cfg, run_dir)  # the run directory is complete whatever started the run
     t = cfg.telemetry
     log = MetricsLogger(
-        run_dir, t.tensorboard, t.wandb_project, cfg.model_dump(mode="json"), t.mlflow_uri
+        run_dir,
+        t.tensorboard,
+        t.wandb_project,
+        cfg.model_dump(mode="json"),
+        t.mlflow_uri,
+        resume_step=None if resume_from is None else checkpoint.manifest(resume_from)["step"],
     )
     started_ray = not ray.is_initialized()
     init_ray(cfg.cluster)
     attached = bool(cfg.rollout.server_urls)  # servers started elsewhere: none of ours
     try:
+        # every node must see the model and the run directory: checked in seconds, on each
+        shared = {"run.dir": str((run_dir / "config.yaml").resolve())}
+        if Path(cfg.model.path).exists():  # a local checkpoint (not a hub id)
+            shared["model.path"] = str(Path(cfg.model.path).resolve())
+        check_shared(shared)
         with contextlib.ExitStack() as stack:
             # checked in seconds, before anything starts; every role's actors go in the group
             plan = stack.enter_context(reserve(plan_for(cfg, ray.cluster_resources())))
             stack.enter_context(_resumable(run_dir))
             fleet, router = None, attach(cfg) if attached else None
             if not attached:
-                fleet = RolloutFleet(cfg, cfg.model.path, run_dir, server_backend(cfg.sync), plan)
+                backend = server_backend(cfg.sync, plan)
+                fleet = RolloutFleet(cfg, cfg.model.path, run_dir, backend, plan)
             trainer = TrainerGroup(cfg, plan)
             # Both start at once (their imports and loading overlap), except where they share
             # a GPU: vLLM sizes its KV cache from the memory free while it profiles.
@@ -150,7 +163,7 @@ def _resumable(run_dir: Path) -> Iterator[None]:
     except TrainerRankError as e:
         ckpt = checkpoint.newest(run_dir)
         where = f"resume from {ckpt} with --resume" if ckpt else "no checkpoint to resume from yet"
-        raise TrainerRankError(f"{e}; {where}") from None
+        raise type(e)(f"{e}; {where}") from None
 
 
 async def run(

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -140,7 +141,11 @@ class PartialRollout:
     request, resumed from prompt + partial output whenever an update aborts it. ``progress``
     holds each response so far (a checkpoint saves it; a resumed run passes it back in, and the
     responses continue from their prefixes). After ``generate``, ``tag(samples)`` writes each
-    sample's resume count."""
+    sample's resume count.
+
+    Every request of a group goes to one server, its samples and their resumed segments alike
+    (the prompt's prefix cache is there), and so do an agent session's turns (``session_id``);
+    a server that goes down moves the session to another (``Router.pick``)."""
 
     def __init__(
         self,
@@ -151,26 +156,51 @@ class PartialRollout:
         progress: list[PartialResponse] | None = None,
     ) -> None:
         self.servers, self.gate, self.trace, self.stats = servers, gate, trace, stats
-        self.progress: list[PartialResponse] = progress if progress is not None else []
+        # the group's record (None: an environment's turns, each call its own responses)
+        self.progress = progress
+        self.group = f"group-{uuid.uuid4().hex}"  # the group's session on the servers
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None
     ) -> list[Completion]:
-        if not self.progress:  # in place: the run harness's record of the group holds this list
-            self.progress.extend(PartialResponse() for _ in range(params.n))
-        return list(
-            await asyncio.gather(
-                *(
-                    self.sample(prompt_ids, replace(params, n=1, seed=_nth_seed(params.seed, i)), p)
-                    for i, p in enumerate(self.progress)
+        if self.progress is None:
+            progress = [PartialResponse() for _ in range(params.n)]
+        else:  # in place: the run harness's record of the group holds this list
+            if not self.progress:
+                self.progress.extend(PartialResponse() for _ in range(params.n))
+            progress = self.progress
+        session = session_id or self.group
+        try:
+            return list(
+                await asyncio.gather(
+                    *(
+                        self.sample(
+                            prompt_ids,
+                            replace(params, n=1, seed=_nth_seed(params.seed, i)),
+                            p,
+                            session,
+                        )
+                        for i, p in enumerate(progress)
+                    )
                 )
             )
-        )
+        finally:
+            if session_id is None:  # an agent's session ends with its trajectory
+                self.end_session(session)
+
+    def end_session(self, session_id: str) -> None:
+        """The agent loop's call when a trajectory is done."""
+        self.servers.end_session(session_id)
 
     async def sample(
-        self, prompt_ids: list[int], params: SamplingParams, p: PartialResponse
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        p: PartialResponse,
+        session: str | None = None,
     ) -> Completion:
-        """One response, continued from ``p`` and recorded in it as segments come back."""
+        """One response, continued from ``p`` and recorded in it as segments come back;
+        ``session``: the requests go where its earlier ones went."""
         failures = 0
         aborted = False
         while p.finish is None:
@@ -185,7 +215,7 @@ class PartialRollout:
             out: Completion | None = None
             error = EngineError("no answer")
             try:
-                server = self.servers.pick()
+                server = self.servers.pick(session)
                 p.server = server.url
                 segment = replace(params, max_tokens=params.max_tokens - len(p.tokens))
                 with self.trace.span(
@@ -229,7 +259,7 @@ class PartialRollout:
     def tag(self, samples: list[Sample]) -> list[Sample]:
         """Resume counts of the samples built from the last ``generate`` (``generate_group``
         keeps the order)."""
-        for s, p in zip(samples, self.progress, strict=True):
+        for s, p in zip(samples, self.progress or [], strict=True):
             s.metrics["resumes"] = float(p.resumes)
             s.metadata["server"] = p.server
         return samples

@@ -8,7 +8,7 @@ the trainer ranks and vLLM servers with ``py-spy dump``, which reads a process s
 collective or a kernel as well as any other; a stopped process, whose stacks py-spy cannot read,
 is named as stopped at the top of its dump) and fails the run with one line naming the stage
 that stopped: the longest-open span of the run's trace (``train`` on the trainer, ``generate``
-on a server, ``reward``, ...) and how long it has been open.
+on a server, ``reward``, ...), how long it has been open, and any process found stopped.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import TypeVar
 
+from trident.pipeline.checkpoint import new_dir
 from trident.telemetry.trace import Trace
 
 T = TypeVar("T")
@@ -78,13 +79,22 @@ class Watchdog:
                 )
                 raise HangError(
                     f"no step progress for {idle:.0f} s (run.hang_timeout_s={self.timeout_s:g}): "
-                    f"{what}; every process's stacks are in {where}"
+                    f"{what}{self.stopped()}; every process's stacks are in {where}"
                 )
+
+    def stopped(self) -> str:
+        """ "; stopped: ..." naming each watched process (or descendant) in state T, or ""."""
+        named = [
+            f"{name}'s process {pid} ({comm})"
+            for name, root in self.pids.items()
+            for pid, comm in stopped_processes(root)
+        ]
+        return f"; stopped (SIGSTOP, state T): {', '.join(named)}" if named else ""
 
     def dump(self) -> Path:
         """Every process's stacks into ``hang-<time>/``; returns the directory."""
-        out = self.run_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}"
-        out.mkdir(parents=True, exist_ok=True)
+        # a dump never replaces another's (two in one second, an earlier attempt's)
+        out = new_dir(self.run_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}")
         with (out / "driver.txt").open("w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
             f.write("\n# asyncio tasks\n")
@@ -96,7 +106,8 @@ class Watchdog:
         for name, pid in self.pids.items():
             head = f"# {name} (pid {pid})\n"
             # py-spy reads no stack of a stopped process ("Failed to get stack traces"): say so
-            for child, comm in stopped_processes(pid):
+            stopped = stopped_processes(pid)
+            for child, comm in stopped:
                 head += f"# process {child} ({comm}) is stopped (state T in /proc/{child}/stat)\n"
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 r = subprocess.run(
@@ -105,7 +116,10 @@ class Watchdog:
                     text=True,
                     timeout=30,
                 )
-                head += r.stdout + r.stderr
+                error = r.stderr
+                if stopped and r.returncode:  # py-spy fails at the stopped process
+                    error = "# no stack of a stopped process: py-spy cannot read one\n"
+                head += r.stdout + error
             (out / f"{name}.txt").write_text(head)
         return out
 

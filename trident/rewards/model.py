@@ -12,8 +12,12 @@ non-pad token, so padding does not change a score). Each call runs under the fun
 ``timeout_s`` (default 60 s: the first call includes starting the actor and loading the model);
 a timeout, a dead actor or a failed forward pass is ``infra_error``.
 
-Uses the running Ray instance (training and eval start one); starts a local one otherwise.
-Deliberate simplification: one actor per configured entry, no replicas.
+Placement: in a training run the actor is scheduled into the run's placement group
+(``RUN_PLACEMENT_GROUP``), whose last bundle the plan reserves for the run's reward models
+(``trident.cluster.placement``), so a plan that took every GPU still has the reward model's;
+outside a run it asks Ray for ``num_cpus``/``num_gpus`` directly. Uses the running Ray instance
+(training and eval start one); starts a local one otherwise. Deliberate simplification: one
+actor per configured entry, no replicas; every reward model of a run shares the one bundle.
 """
 
 from __future__ import annotations
@@ -22,6 +26,45 @@ import asyncio
 from typing import Any
 
 from trident.rewards import RewardFn, register_factory
+
+# The name trident.cluster.placement.reserve gives a run's placement group (Ray looks names up in
+# the driver's namespace, where one run is reserved at a time).
+RUN_PLACEMENT_GROUP = "trident-run"
+DEFAULT_NUM_CPUS = 1.0
+
+
+def actor_resources(kwargs: dict[str, Any]) -> dict[str, float]:
+    """What the actor of a ``reward_model`` entry with ``kwargs`` asks Ray for (the plan
+    reserves it)."""
+    return {
+        "num_cpus": float(kwargs.get("num_cpus", DEFAULT_NUM_CPUS)),
+        "num_gpus": float(kwargs.get("num_gpus", 0.0)),
+    }
+
+
+def _run_group_options() -> dict[str, Any]:
+    """Ray options that schedule an actor into the last bundle of the run's placement group;
+    none outside a run."""
+    from ray.util import get_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    try:
+        group = get_placement_group(RUN_PLACEMENT_GROUP)
+    except ValueError:  # no run's group in this namespace
+        return {}
+    bundle = group.bundle_count - 1
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, bundle)}
+
+
+def render_pair(tokenizer: Any, prompt: str | list[dict], response: str) -> str:
+    """The text a classifier scores: the prompt's messages and the response as the assistant
+    turn, through the chat template; without one, prompt + response."""
+    from trident.models.load import prompt_messages
+
+    if tokenizer.chat_template:
+        messages = [*prompt_messages(prompt), {"role": "assistant", "content": response}]
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    return (prompt if isinstance(prompt, str) else "") + response
 
 
 class RewardModelServer:
@@ -42,16 +85,8 @@ class RewardModelServer:
         self.model.eval()
         self.max_length, self.device = max_length, device
 
-    def render(self, prompt: str | list[dict], response: str) -> str:
-        from trident.models.load import prompt_messages
-
-        if self.tokenizer.chat_template:
-            messages = [*prompt_messages(prompt), {"role": "assistant", "content": response}]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
-        return (prompt if isinstance(prompt, str) else "") + response
-
     def score(self, pairs: list[tuple[Any, str]]) -> list[float]:
-        texts = [self.render(prompt, response) for prompt, response in pairs]
+        texts = [render_pair(self.tokenizer, prompt, response) for prompt, response in pairs]
         batch = self.tokenizer(
             texts,
             padding=True,
@@ -112,7 +147,7 @@ def reward_model(
     wait_ms: float = 20.0,
     max_length: int = 1024,
     timeout_s: float = 60.0,
-    num_cpus: float = 1.0,
+    num_cpus: float = DEFAULT_NUM_CPUS,
     num_gpus: float = 0.0,
 ) -> RewardFn:
     """A reward function scoring ``(prompt, response)`` with the classifier at ``path``."""
@@ -127,7 +162,9 @@ def reward_model(
 
             if not ray.is_initialized():
                 ray.init(include_dashboard=False, log_to_driver=False)
-            remote = ray.remote(RewardModelServer).options(num_cpus=num_cpus, num_gpus=num_gpus)
+            remote = ray.remote(RewardModelServer).options(
+                num_cpus=num_cpus, num_gpus=num_gpus, **_run_group_options()
+            )
             actor.append(remote.remote(path, max_length, "cuda" if num_gpus else "cpu"))
         return await actor[0].score.remote(pairs)
 

@@ -9,6 +9,7 @@ Nothing is re-tokenized: the ids the engine returns are the ids that get trained
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import ssl
 from dataclasses import dataclass, field
@@ -58,6 +59,13 @@ class RolloutEngine(Protocol):
 
 
 SERVED_MODEL = "policy"  # the model name trident's servers answer to, whatever the checkpoint
+
+# what an engine's progress is read from (``VLLMClient.progress``), summed over engines
+PROGRESS_METRICS = (
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:kv_cache_usage_perc",
+)
 
 DROPPED_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
@@ -172,11 +180,11 @@ class VLLMClient:
         entries = body["choices"][0]["prompt_logprobs"][1:]
         return [float(e[str(t)]["logprob"]) for e, t in zip(entries, token_ids[1:], strict=True)]
 
-    async def pause(self) -> None:
-        await self._post("/pause", timeout=60)
+    async def pause(self, timeout_s: float = 60.0) -> None:
+        await self._post("/pause", timeout=timeout_s)
 
-    async def resume(self) -> None:
-        await self._post("/resume", timeout=60)
+    async def resume(self, timeout_s: float = 60.0) -> None:
+        await self._post("/resume", timeout=timeout_s)
 
     async def abort(self, request_ids: list[str] | None = None) -> int:
         """Abort ``request_ids`` (all in-flight requests when None) without pausing the server.
@@ -197,6 +205,40 @@ class VLLMClient:
             return r.status_code == 200
         except httpx.HTTPError:
             return False
+
+    async def responsive(self, within_s: float) -> bool:
+        """Whether the server answers ``/health`` and its engine generates one token within
+        ``within_s``: a stopped (``SIGSTOP``) or wedged engine core leaves ``/health`` answering."""
+        if not await self.healthy():
+            return False
+        try:
+            await self._post(
+                "/v1/completions", {"model": self.model, "prompt": [0], "max_tokens": 1}, within_s
+            )
+        except EngineError:
+            return False
+        return True
+
+    async def progress(self) -> tuple[float, ...] | None:
+        """The engine's work so far, from its Prometheus ``/metrics``: tokens prefilled and
+        generated (``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``) and its KV-cache
+        usage, which a prefill chunk changes before the prompt's first token counts. The API
+        server keeps these from what its engine core sends each step, so they stand still when
+        the core is frozen, while ``/health`` still answers. None if ``/metrics`` does not answer
+        or lacks them (a server started with ``--disable-log-stats``)."""
+        try:
+            r = await self.http.get(f"{self.url}/metrics", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        found: dict[str, float] = {}
+        for line in r.text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in PROGRESS_METRICS:
+                with contextlib.suppress(ValueError):
+                    found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return tuple(found[n] for n in PROGRESS_METRICS) if len(found) == 3 else None
 
     async def aclose(self) -> None:
         if self._client is not None:

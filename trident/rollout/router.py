@@ -97,10 +97,17 @@ class Router:
         self.take_out(i)
         return True
 
-    async def check(self) -> int:
-        """Ask every up server's ``/health``; take out those that do not answer; how many."""
+    async def check(self, answer_within_s: float = 0.0) -> int:
+        """Ask every up server's ``/health``; take out those that do not answer; how many.
+        ``answer_within_s``: each must also generate a token within that long (after a failed
+        weight sync: a frozen engine answers ``/health``, not the sync)."""
         up = [i for i, u in enumerate(self.up) if u]
-        answers = await asyncio.gather(*(self.clients[i].healthy() for i in up))
+        if answer_within_s > 0:
+            answers = await asyncio.gather(
+                *(self.clients[i].responsive(answer_within_s) for i in up)
+            )
+        else:
+            answers = await asyncio.gather(*(self.clients[i].healthy() for i in up))
         dead = [i for i, ok in zip(up, answers, strict=True) if not ok]
         for i in dead:
             self.take_out(i)

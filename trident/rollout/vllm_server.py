@@ -12,6 +12,7 @@ A server that does not become healthy raises ``ServerStartError`` with the tail 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -78,7 +79,8 @@ class VLLMServer:
             str(seed),
             "--served-model-name",
             SERVED_MODEL,
-            "--disable-log-stats",
+            # stats stay on: /metrics' token counters are how a frozen engine core is told
+            # from a busy one (trident.pipeline.recovery, liveness)
             # Logprobs of the distribution actually sampled from (temperature applied), which is
             # what the trainer's importance ratios compare against.
             "--logprobs-mode",
@@ -104,6 +106,7 @@ class VLLMServer:
             "VLLM_CONFIGURE_LOGGING": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "TRIDENT_VLLM_SERVER": "1",  # trident's plugin: every vLLM process dies with its parent
+            "TRIDENT_PARENT_PID": str(os.getpid()),  # ... this one, for the API server
             # vLLM's process titles (setproctitle) keep /proc/PID/environ intact, so a forked
             # engine core still shows the environment it runs with (tools find a run's
             # processes by it, the tests by their tag)
@@ -139,7 +142,7 @@ class VLLMServer:
             # SIGTERM, not SIGKILL: the API server's own shutdown then stops its engine core;
             # the engine core and its workers die with their parents too (trident's vLLM
             # plugin, below), so even a SIGKILLed API server leaves none of them behind
-            preexec_fn=die_with_parent,
+            preexec_fn=functools.partial(die_with_parent, parent=os.getpid()),
         )
         log.close()
         deadline = time.monotonic() + timeout_s

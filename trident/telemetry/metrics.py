@@ -7,6 +7,16 @@ take numbers only, so they get its finite numeric values (W&B takes the record w
 MLflow are optional packages (``pip install 'trident[wandb]'`` / ``'trident[mlflow]'``),
 imported only when configured. The MLflow run is created through ``MlflowClient`` (no fluent
 global "active run"), in the experiment ``trident``, named after the run directory.
+
+A resumed run (``resume_step``: the first step it logs again, the checkpoint's) continues its
+trackers rather than starting new ones: TensorBoard purges the events from ``resume_step`` on
+(``SummaryWriter(purge_step=...)``), and W&B and MLflow continue the run whose ids the first
+attempt wrote to ``trackers.json`` in the run directory (W&B with ``resume="allow"``; MLflow's
+run set back to RUNNING, its params not logged again: MLflow refuses a changed value).
+Simplification: W&B drops a step not above the last one it took, so the steps trained again
+keep the values the killed attempt logged; MLflow keeps both values in a metric's history, the
+later one (by timestamp) the resumed run's. ``metrics.jsonl`` is cut back on resume
+(``trident.pipeline.checkpoint``) and holds each step once.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 MLFLOW_EXPERIMENT = "trident"
+TRACKER_IDS = "trackers.json"  # in the run directory: the W&B and MLflow run ids, for a resume
 
 
 class Sink(Protocol):
@@ -39,17 +50,28 @@ class MetricsLogger:
         wandb_project: str = "",
         config: dict | None = None,
         mlflow_uri: str = "",
+        resume_step: int | None = None,
     ) -> None:
+        """``resume_step``: the run resumes from a checkpoint and logs again from this step
+        (module docstring)."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (self.run_dir / "metrics.jsonl").open("a", buffering=1)
         self.sinks: list[Sink] = []
+        ids = self.run_dir / TRACKER_IDS
+        known = json.loads(ids.read_text()) if resume_step is not None and ids.exists() else {}
         if tensorboard:
-            self.sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
+            self.sinks.append(TensorBoardSink(self.run_dir / "tensorboard", resume_step))
         if wandb_project:
-            self.sinks.append(WandbSink(wandb_project, self.run_dir, config or {}))
+            wandb = WandbSink(wandb_project, self.run_dir, config or {}, known.get("wandb"))
+            self.sinks.append(wandb)
+            known["wandb"] = wandb.run.id
         if mlflow_uri:
-            self.sinks.append(MlflowSink(mlflow_uri, self.run_dir.name, config or {}))
+            mlflow = MlflowSink(mlflow_uri, self.run_dir.name, config or {}, known.get("mlflow"))
+            self.sinks.append(mlflow)
+            known["mlflow"] = mlflow.run_id
+        if known:
+            ids.write_text(json.dumps(known) + "\n")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -64,10 +86,11 @@ class MetricsLogger:
 
 
 class TensorBoardSink:
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, resume_step: int | None = None) -> None:
+        """``resume_step``: events at this step and after are purged (logged again)."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(log_dir))
+        self.writer = SummaryWriter(str(log_dir), purge_step=resume_step)
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         for key, value in numeric(record).items():
@@ -81,10 +104,20 @@ class WandbSink:
     """A W&B run in ``project``; its files go under ``run_dir/wandb`` (``WANDB_MODE=offline``
     keeps them there, for ``wandb sync`` later)."""
 
-    def __init__(self, project: str, run_dir: Path, config: dict) -> None:
+    def __init__(
+        self, project: str, run_dir: Path, config: dict, run_id: str | None = None
+    ) -> None:
+        """``run_id``: the run to continue (a resume), else a new one."""
         import wandb
 
-        self.run = wandb.init(project=project, name=run_dir.name, dir=str(run_dir), config=config)
+        self.run = wandb.init(
+            project=project,
+            name=run_dir.name,
+            dir=str(run_dir),
+            config=config,
+            id=run_id,
+            resume="allow" if run_id else None,
+        )
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         self.run.log(record, step=step)
@@ -102,11 +135,18 @@ class MlflowSink:
     """An MLflow run at ``tracking_uri`` (a server URL, or ``file:/path`` for a local store);
     the config goes in as flattened params."""
 
-    def __init__(self, tracking_uri: str, run_name: str, config: dict) -> None:
+    def __init__(
+        self, tracking_uri: str, run_name: str, config: dict, run_id: str | None = None
+    ) -> None:
+        """``run_id``: the run to continue (a resume), else a new one."""
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
         self.client = MlflowClient(tracking_uri=tracking_uri)
+        if run_id is not None:
+            self.client.update_run(run_id, status="RUNNING")
+            self.run_id = run_id
+            return
         experiment = self.client.get_experiment_by_name(MLFLOW_EXPERIMENT)
         experiment_id = (
             experiment.experiment_id

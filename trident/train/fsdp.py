@@ -61,14 +61,38 @@ def master_dtype(dtype: str) -> str:
     return "float32" if torch.cuda.is_available() and dtype != "float32" else dtype
 
 
+def checkpoint_activations(model: ModuleT, enabled: bool) -> ModuleT:
+    """``trainer.activation_checkpointing``: each decoder layer is recomputed in the backward
+    pass from its saved input (transformers' ``gradient_checkpointing_enable``, non-reentrant,
+    which composes with FSDP2's hooks). transformers recomputes only in training mode, so the
+    model is put in it (the config's dropout, 0 in the usual LM configs, then applies). Call
+    before ``shard``."""
+    if enabled:
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise ValueError(
+                f"trainer.activation_checkpointing: {type(model).__name__} does not support "
+                "gradient checkpointing"
+            )
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    return model
+
+
+PER_LAYER_PARAMS = 100_000_000  # on one rank, wrap each decoder layer from this size on
+
+
 def shard(model: ModuleT, compute_dtype: str = "float32") -> ModuleT:
     """fully_shard each decoder layer, then the root (the usual FSDP2 wrapping of an HF LM).
     On GPUs with a half-precision ``compute_dtype`` the (float32, ``master_dtype``) parameters
     are cast to it for forward and backward and gradients are reduced in float32 (FSDP2's
     ``MixedPrecisionPolicy``); logprobs are taken in float32 either way (``token_logprobs``).
 
-    On one rank only the root is wrapped: per-layer units buy nothing there (no memory to save,
-    nothing to overlap) and their hooks cost ~25% of a tiny model's step on CPU (measured)."""
+    On one rank a small model has only the root wrapped: per-layer units buy it nothing and their
+    hooks cost ~25% of a tiny model's step on CPU (measured). A large one (``PER_LAYER_PARAMS``)
+    is wrapped per layer there too: the root alone keeps an unsharded copy of every parameter and
+    of every gradient through the whole backward pass (measured at Qwen2.5-0.5B's shape: the
+    rank reached 14 GB and was killed; per layer, one layer's copies at a time)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs = {}
@@ -76,11 +100,19 @@ def shard(model: ModuleT, compute_dtype: str = "float32") -> ModuleT:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32
         )
-    if dist.get_world_size() > 1:
-        for layer in getattr(getattr(model, "model", model), "layers", []):
+    large = sum(p.numel() for p in model.parameters()) >= PER_LAYER_PARAMS
+    if dist.get_world_size() > 1 or large:
+        for layer in _decoder_layers(model):
             fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """An HF causal LM's decoder layers (``model.model.layers``), inside a peft model too."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    return list(getattr(getattr(base, "model", base), "layers", []))
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -94,10 +126,14 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_hf(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | Path,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Save an HF-format checkpoint (collective; rank 0 writes)."""
-    state = full_state_dict(model)
+    """Save an HF-format checkpoint (collective; rank 0 writes) of ``model``'s weights, or of
+    ``state`` (whole tensors under ``model``'s names: a LoRA policy's merged weights)."""
+    state = full_state_dict(model) if state is None else state
     out = Path(out_dir)
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -105,6 +141,16 @@ def save_hf(
         tokenizer.save_pretrained(out)
     dist.barrier()
     return out
+
+
+def _trained_only(model: torch.nn.Module):
+    """Checkpoints hold the trained parameters only: frozen ones (a LoRA policy's base weights)
+    are the checkpoint the model was loaded from, and are loaded from it again on resume (so
+    only a model with none is loaded strictly)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
 
 def save_training_state(
@@ -120,7 +166,9 @@ def save_training_state(
     out.mkdir(parents=True, exist_ok=True)
     state: dict = {}
     for name, (model, opt) in parts.items():
-        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(model, opt)
+        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(
+            model, opt, options=_trained_only(model)
+        )
     save(state, checkpoint_id=str(out))
     torch.save(extra, out / f"extra_rank{dist.get_rank()}.pt")
     dist.barrier()
@@ -137,7 +185,9 @@ def load_training_state(
     src = Path(path)
     state: dict = {}
     for name, (model, opt) in parts.items():
-        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(model, opt)
+        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(
+            model, opt, options=_trained_only(model)
+        )
     load(state, checkpoint_id=str(src))
     for name, (model, opt) in parts.items():
         set_state_dict(
@@ -145,6 +195,7 @@ def load_training_state(
             opt,
             model_state_dict=state[f"{name}.model"],
             optim_state_dict=state[f"{name}.optim"],
+            options=_trained_only(model),
         )
     mine = src / f"extra_rank{dist.get_rank()}.pt"
     return torch.load(mine if mine.exists() else src / "extra_rank0.pt", weights_only=False)

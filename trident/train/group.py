@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError
 
 from trident.cluster.net import free_port, node_ip
 from trident.cluster.placement import Plan, make_plan
+from trident.cluster.ray_cluster import out_of_memory
 from trident.config import TridentConfig
 from trident.sample import Sample
 from trident.train.policy import PolicyWorker
@@ -34,6 +35,23 @@ class TrainerStartError(RuntimeError):
 
 class TrainerRankError(RuntimeError):
     """A trainer rank died mid-run (its process was killed, its node lost, out of memory)."""
+
+
+class TrainerOutOfMemory(TrainerRankError):
+    """Ray's memory monitor killed a trainer rank: a restart would run out again."""
+
+
+def rank_error(method: str, rank: int | str, pid: int | str, error: BaseException) -> Exception:
+    """One line for a rank's death during ``method``; killed for memory, what to change."""
+    oom = out_of_memory(error)
+    if oom is not None:
+        return TrainerOutOfMemory(
+            f"trainer rank {rank} ran out of memory during {method} (pid {pid}): {oom}"
+        )
+    return TrainerRankError(
+        f"trainer rank {rank} died during {method} (pid {pid}): its process was killed, or its "
+        "node or memory ran out"
+    )
 
 
 @ray.remote
@@ -111,15 +129,13 @@ class TrainerGroup(AbstractContextManager):
         calls = [asyncio.ensure_future(getattr(w, method).remote(*args)) for w in workers]
         try:
             results = await asyncio.gather(*calls)
-        except RayActorError:
+        except (RayActorError, OutOfMemoryError) as e:
             dead = [r for r, c in enumerate(calls) if c.done() and c.exception() is not None]
             for c in calls:
                 c.cancel()
-            raise TrainerRankError(
-                f"trainer rank {dead[0] if dead else '?'} died during {method} "
-                f"(pid {self.pids.get(f'trainer_rank{dead[0]}', '?') if dead else '?'}): "
-                "its process was killed, or its node or memory ran out"
-            ) from None
+            rank = dead[0] if dead else "?"
+            pid = self.pids.get(f"trainer_rank{rank}", "?")
+            raise rank_error(method, rank, pid, e) from None
         return results[0]
 
     async def connect(

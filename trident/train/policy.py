@@ -18,11 +18,12 @@ state. What the advantage and the loss are made of, and why: ``docs/algorithms.m
 from __future__ import annotations
 
 import os
+import resource
 import time
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from trident.algorithms.rl_loss import LossSpec, add_sums, rl_loss
 from trident.config import TridentConfig
 from trident.models.load import load_causal_lm, load_tokenizer
 from trident.sample import Sample
-from trident.train import fsdp
+from trident.train import fsdp, lora
 from trident.train.advantage import Advantages
 from trident.train.batch import Batch, collate
 from trident.train.critic import ValueModel, token_values
@@ -47,6 +48,8 @@ from trident.train.recompute import (
 from trident.weights.tensors import full_tensor
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from trident.weights.backend import Backend
     from trident.weights.sync import WeightSync
 
@@ -74,6 +77,9 @@ class PolicyWorker:
         self.tokenizer = load_tokenizer(cfg.model.path)
         dtype = cfg.model.dtype
         model = load_causal_lm(cfg.model.path, fsdp.master_dtype(dtype), self.device)
+        model = fsdp.checkpoint_activations(model, tc.activation_checkpointing)
+        if cfg.model.lora is not None:  # adapters only train; base weights frozen
+            model = lora.wrap(model, cfg.model.lora)
         self.model = fsdp.shard(model, dtype)
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self.ref = self._frozen(cfg.model.ref_path or cfg.model.path) if a.kl_coef > 0 else None
@@ -83,6 +89,7 @@ class PolicyWorker:
         self.critic = None
         if a.use_critic:
             critic = ValueModel(cfg.model.critic_path or cfg.model.path, fsdp.master_dtype(dtype))
+            fsdp.checkpoint_activations(critic.model, tc.activation_checkpointing)
             self.critic = fsdp.shard(critic.to(self.device), dtype)
             self.critic_opt, self.critic_sched = self._optimizer(self.critic, tc.critic_lr)
         # teachers by path (two tasks may share one); routing: teacher_paths key -> path
@@ -104,9 +111,8 @@ class PolicyWorker:
 
     def _optimizer(self, model: torch.nn.Module, lr: float):
         tc = self.cfg.trainer
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=tc.betas, weight_decay=tc.weight_decay
-        )
+        trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+        opt = torch.optim.AdamW(trained, lr=lr, betas=tc.betas, weight_decay=tc.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt,
             lambda s: fsdp.cosine_lr(s, self.cfg.pipeline.steps, tc.warmup_steps, tc.lr_schedule),
@@ -180,7 +186,7 @@ class PolicyWorker:
             "time/recompute_s": t1 - t_recompute,
             "time/optimize_s": t3 - t2,
             "time/rank_s": time.perf_counter() - t0,
-        }
+        } | _memory(self.opt, self.device)
         lr = float(self.sched.get_last_lr()[0])
         metrics = _reduce_metrics(sums, lr, self.world, self.device)
         return metrics | step_metrics | timing | {"per_sample": per_sample}
@@ -203,6 +209,8 @@ class PolicyWorker:
             world=self.world,
             device=self.device,
             skip=skip or (),
+            chunk_tokens=self.cfg.trainer.logprob_chunk_tokens,
+            packed=self.cfg.trainer.packing,
         )
 
     def _gather(
@@ -231,11 +239,15 @@ class PolicyWorker:
         counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)  # global denominators: N ranks equal one
         lengths = batch.attention_mask[rows].sum(1).tolist()
-        for part in even_micro_batches(lengths, tc.micro_batch_tokens, self.world, self.device):
+        budget, packed = tc.micro_batch_tokens, tc.packing
+        for part in even_micro_batches(lengths, budget, self.world, self.device, packed):
             dummy = part is None  # zero-weight pass that keeps the FSDP collectives in step
             idx = [0] if part is None else [rows[i] for i in part]
             mb = select_rows(batch, idx)
-            logp, entropy = token_logprobs(self.model, mb, temperature, with_entropy=True)
+            logp, entropy = token_logprobs(
+                self.model, mb, temperature, with_entropy=True,
+                chunk_tokens=tc.logprob_chunk_tokens, packed=packed,
+            )  # fmt: skip
             assert entropy is not None  # asked for with_entropy
             mask, w = mb.mask * (0.0 if dummy else 1.0), mb.mask.shape[1]
             if fill_old and not dummy:
@@ -288,8 +300,9 @@ class PolicyWorker:
                 keep_served=self.cfg.rollout.max_restarts > 0,
                 remote=remote,
                 host=ip,  # serves the buckets; the engines join rank 0's NCCL group from it
+                timeout_s=sc.timeout_s,
             )
-            self.sync = WeightSync(urls, transport)
+            self.sync = WeightSync(urls, transport, timeout_s=sc.timeout_s)
             self.sync.init()
 
     def sync_weights(self, version: int, urls: list[str] | None = None) -> dict[str, float]:
@@ -305,20 +318,31 @@ class PolicyWorker:
         # the probe is also what a restarted server is checked against (rollout.max_restarts)
         probe = self.cfg.sync.verify or self.cfg.rollout.max_restarts > 0
         expected = probe_logprobs(self.model, self.probe) if probe else None
-        shards = hf_named_tensors(self.model, self.tied)
+        # a LoRA policy serves its merged weights under the base model's names (collective)
+        weights = lora.MergedWeights(self.model) if lora.is_lora(self.model) else self.model
+        # cast to the engine's dtype shard by shard, before each gather (float32 master weights)
+        engine_dtype = getattr(torch, self.cfg.model.dtype)
+        shards = hf_named_tensors(weights, self.tied, dtype=engine_dtype)
         metrics: dict[str, float] = {}
         if self.rank != 0:
             # the GPU backends send to one server at a time, gathering the stream for each
             targets = len(urls if urls is not None else self.server_urls)
             drain(shards)
             for _ in range(stream_passes(self.backend, targets) - 1):
-                drain(hf_named_tensors(self.model, self.tied))
+                drain(hf_named_tensors(weights, self.tied, dtype=engine_dtype))
         else:
             assert self.sync is not None  # connect() made it on rank 0
-            metrics = self.sync.push(shards, version, urls)
-            if expected is not None and self.cfg.sync.verify:
-                metrics |= self.sync.verify(self.probe, expected, version, self.cfg.sync.tolerance)
-            self.served_probe = expected
+            try:
+                metrics = self.sync.push(shards, version, urls)
+                self.served_probe = expected  # what a rejoin to this version is checked against
+                if expected is not None and self.cfg.sync.verify:
+                    tolerance = self.cfg.sync.tolerance
+                    metrics |= self.sync.verify(self.probe, expected, version, tolerance)
+            finally:
+                # the other ranks wait here, also when the push or its verification failed: a
+                # retry (``WeightGate.update``) must find every rank at its first collective
+                dist.barrier()
+            return metrics
         dist.barrier()
         return metrics
 
@@ -334,7 +358,10 @@ class PolicyWorker:
         return os.getpid()
 
     def save_hf(self, out_dir: str) -> str:
-        fsdp.save_hf(self.model, self.tokenizer, out_dir)
+        """The policy as an HF checkpoint (a LoRA policy merged into its base). Collective."""
+        merged = lora.merged_state_dict(self.model) if lora.is_lora(self.model) else None
+        base = cast("PreTrainedModel", lora.base_model(self.model))
+        fsdp.save_hf(base, self.tokenizer, out_dir, state=merged)
         return str(Path(out_dir))
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -351,7 +378,7 @@ class PolicyWorker:
         """The HF export in ``out_dir`` and everything training needs to continue exactly in
         ``out_dir/trainer``: policy and critic weights and optimizer moments (sharded, DCP), LR
         schedules, the adaptive-KL coefficient, running baselines, the RNG (collective)."""
-        fsdp.save_hf(self.model, self.tokenizer, out_dir)
+        self.save_hf(out_dir)
         extra = {
             "sched": self.sched.state_dict(),
             "critic_sched": self.critic_sched.state_dict() if self.critic is not None else None,
@@ -419,7 +446,7 @@ def _loss_spec(cfg: TridentConfig, kl_coef: float) -> LossSpec:
         clip_eps_high=a.clip_eps_high,
         dual_clip_c=a.dual_clip_c,
         aggregation=a.aggregation,
-        norm_tokens=cfg.rollout.max_tokens,  # Dr. GRPO's L, the same for every term
+        norm_tokens=cfg.response_budget,  # Dr. GRPO's L: the run's response budget, every term
         is_level=a.is_level,
         is_mode=a.is_mode,
         is_cap=a.is_cap,
@@ -429,6 +456,22 @@ def _loss_spec(cfg: TridentConfig, kl_coef: float) -> LossSpec:
         kl_estimator=a.kl_estimator,
         value_clip=a.value_clip,
     )
+
+
+def _memory(opt: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
+    """Rank 0's memory: its peak so far (resident set on CPU, allocated on a GPU) and its
+    optimizer state (its shards; LoRA: the adapters' only), in GiB."""
+    state = sum(
+        (getattr(t, "to_local", lambda t=t: t)()).nbytes
+        for per_param in opt.state.values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor)
+    )
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10  # KiB on Linux
+    return {"memory/rank_peak_gib": peak / 2**30, "memory/optimizer_state_gib": state / 2**30}
 
 
 def _reduce_metrics(

@@ -19,31 +19,75 @@ micro-batches (:func:`even_micro_batches`).
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from trident.train.batch import Batch, micro_batches
+from trident.train.batch import Batch, micro_batches, pack
 from trident.train.critic import token_values
+from trident.train.logprobs import chunked_logprobs, grid_logprobs, output_head
 
 
 def token_logprobs(
-    model: torch.nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = False
+    model: torch.nn.Module,
+    batch: Batch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int = 0,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token logprobs [B, T-1] of ``batch.input_ids[:, 1:]`` (and entropies if asked)."""
-    logits = (
-        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    )
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    if not with_entropy:
-        return logp, None
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    """Per-token logprobs [B, T-1] of ``batch.input_ids[:, 1:]`` (and entropies if asked).
+    ``chunk_tokens`` > 0: the vocabulary projection ``chunk_tokens`` positions at a time, forward
+    and backward (:mod:`trident.train.logprobs`), for models whose logits are the plain head of
+    the last hidden state; 0 (or another head): the whole [B, T, V] grid at once. ``packed``
+    (``trainer.packing``): the model runs on the rows packed into fewer (:func:`pack`), so
+    little padding is computed; the outputs come back in the padded layout (0 where no token
+    is)."""
+    head = output_head(model) if chunk_tokens > 0 else None
+    if packed:
+        input_ids, position_ids, where, at = pack(batch)
+        inputs = {"input_ids": input_ids, "position_ids": position_ids}
+        targets = input_ids.flatten()[at + 1]  # the token after each predicting position
+    else:
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        where, at, targets = None, None, batch.input_ids[:, 1:]
+    if head is not None:
+        hidden = _last_hidden_state(model, inputs)
+        hidden = hidden[:, :-1] if at is None else hidden.flatten(0, 1)[at]
+        logp, entropy = chunked_logprobs(
+            hidden, head.weight, head.bias, targets, temperature=temperature,
+            chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+        )  # fmt: skip
+    else:
+        logits = model(**inputs, use_cache=False).logits
+        logits = logits[:, :-1] if at is None else logits.flatten(0, 1)[at]
+        logp, entropy = grid_logprobs(logits, targets, temperature, with_entropy)
+    if where is None:
+        return logp, entropy
+    return _unpack(logp, where), None if entropy is None else _unpack(entropy, where)
+
+
+def _unpack(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """Packed per-token ``values`` back into the padded [B, T-1] layout (differentiable)."""
+    out = values.new_zeros(where.shape)
+    out[where] = values
+    return out
+
+
+def _last_hidden_state(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The decoder's output [B, T, H] (after its final norm) as an output of the whole model's
+    forward: under FSDP2 the root's pre-forward gathers the head too and keeps it unsharded until
+    the backward pass, and the root's backward hooks (gradient reduction, reshard) sit on its
+    outputs, so the state must be one of them (a forward hook on the decoder would bypass them
+    when only the root is wrapped). ``logits_to_keep=1`` spares the full projection."""
+    with warnings.catch_warnings():
+        # FSDP2 warns that the hidden states are views: nothing writes to them in place
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+        out = model(**inputs, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+    return out.hidden_states[-1]
 
 
 def shard(n: int, mini_batches: int, rank: int, world: int) -> tuple[list[int], list[list[int]]]:
@@ -60,12 +104,12 @@ def shard(n: int, mini_batches: int, rank: int, world: int) -> tuple[list[int], 
 
 
 def even_micro_batches(
-    lengths: list[int], token_budget: int, world: int, device: torch.device
+    lengths: list[int], token_budget: int, world: int, device: torch.device, packed: bool = False
 ) -> list[list[int] | None]:
     """``micro_batches`` by token budget, made equally many on every rank (collective when
     ``world`` > 1). A rank with fewer splits its largest micro-batches, then pads with ``None``
     (a zero-weight pass)."""
-    groups = micro_batches(lengths, token_budget)
+    groups = micro_batches(lengths, token_budget, packed)
     if world == 1:
         return list(groups)
     count = torch.tensor([len(groups)], device=device)
@@ -93,18 +137,21 @@ def recompute(
     world: int,
     device: torch.device,
     skip: Sequence[int] = (),
+    chunk_tokens: int = 0,
+    packed: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per-token quantities of this rank's rows [b, T] with no gradient: ``old`` (policy
     logprobs), ``ref``, ``values`` (critic), ``teacher`` (each row's teacher: ``teachers`` by
     path, ``teacher_paths`` the path of each row). Rows in ``skip`` are left at zero (their
-    ``old`` is filled by the first optimizer step)."""
+    ``old`` is filled by the first optimizer step). ``chunk_tokens``, ``packed``:
+    :func:`token_logprobs`' (the critic runs padded)."""
     lengths = batch.attention_mask.sum(1).tolist()
     todo = sorted(set(range(len(lengths))) - set(skip))
     parts: dict[str, list] = defaultdict(list)
-    for part in even_micro_batches([lengths[i] for i in todo], token_budget, world, device):
+    for part in even_micro_batches([lengths[i] for i in todo], token_budget, world, device, packed):
         idx = None if part is None else [todo[i] for i in part]
         mb = select_rows(batch, idx if idx is not None else [0])
-        old = token_logprobs(policy, mb, temperature)[0]
+        old = token_logprobs(policy, mb, temperature, chunk_tokens=chunk_tokens, packed=packed)[0]
         values = token_values(critic, mb) if critic is not None else None
         if idx is None:
             continue  # a zero-weight pass: only keeps the FSDP collectives in step
@@ -112,13 +159,19 @@ def recompute(
         if values is not None:
             parts["values"].append((idx, values))
         if ref is not None:
-            parts["ref"].append((idx, token_logprobs(ref, mb, temperature)[0]))
+            ref_logp = token_logprobs(
+                ref, mb, temperature, chunk_tokens=chunk_tokens, packed=packed
+            )[0]
+            parts["ref"].append((idx, ref_logp))
     # frozen, unsharded: each rank runs only its own rows
     for path, teacher in teachers.items():
         rows = [i for i, p in enumerate(teacher_paths) if p == path]
-        for local in micro_batches([lengths[i] for i in rows], token_budget):
+        for local in micro_batches([lengths[i] for i in rows], token_budget, packed):
             idx = [rows[i] for i in local]
-            logp = token_logprobs(teacher, select_rows(batch, idx), temperature)[0]
+            mb = select_rows(batch, idx)
+            logp = token_logprobs(
+                teacher, mb, temperature, chunk_tokens=chunk_tokens, packed=packed
+            )[0]
             parts["teacher"].append((idx, logp))
     names = ["old"]
     if ref is not None:

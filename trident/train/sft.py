@@ -107,6 +107,7 @@ def _sft_rank(
     tokenizer = load_tokenizer(cfg.model.path)
     dtype = cfg.model.dtype
     model = load_causal_lm(cfg.model.path, fsdp.master_dtype(dtype), fsdp.device())
+    model = fsdp.checkpoint_activations(model, cfg.trainer.activation_checkpointing)
     model = fsdp.shard(model, dtype)
     model.train()
     sc = cfg.sft

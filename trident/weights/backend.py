@@ -1,10 +1,17 @@
 """Which weight-transfer backend a run uses, on the trainer side and on the servers, and the
 transport that carries it: the one place that tells the backends apart.
 
-``sync.backend=auto`` is ``nccl`` where the trainer ranks get GPUs (the Ray cluster has GPUs,
-so the placement plan gives every rank one; the driver itself may run on a CPU node) and ``shm``
-(checksummed safetensors buckets in /dev/shm, read by trident's vLLM plugin, fetched over HTTP
-by a server on another host) elsewhere.
+``sync.backend=auto`` is ``shm`` without GPUs (checksummed safetensors buckets in /dev/shm,
+read by trident's vLLM plugin, fetched over HTTP by a server on another host). Where the trainer
+ranks get GPUs (the Ray cluster has GPUs, so the placement plan gives every rank one; the
+driver itself may run on a CPU node) it follows the plan:
+
+- disaggregated (every actor its own GPU): ``nccl``, rank 0 broadcasting to each server;
+- colocated with every server on trainer rank 0's GPU (a one-GPU box): ``ipc``. NCCL refuses
+  two ranks of one communicator on one device, while CUDA IPC hands the engine the trainer's own
+  memory (vLLM keys each handle by the GPU's UUID, so it reaches only servers on that GPU);
+- colocated across several GPUs (server i beside rank i): ``shm``, since neither NCCL (server 0
+  shares rank 0's device) nor IPC (servers 1.. are on other devices) reaches every server.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from typing import TYPE_CHECKING, Literal
 from trident.config.schema import SyncConfig
 
 if TYPE_CHECKING:
+    from trident.cluster.placement import Plan
     from trident.weights.sync import Transport
 
 Backend = Literal["shm", "nccl", "ipc"]
@@ -23,10 +31,19 @@ Backend = Literal["shm", "nccl", "ipc"]
 SERVER_BACKENDS = {"shm": "trident_shm", "nccl": "nccl", "ipc": "ipc"}
 
 
-def weight_backend(sync_cfg: SyncConfig) -> str:
-    """The trainer-side backend ``sync.backend`` resolves to on this machine."""
+def weight_backend(sync_cfg: SyncConfig, plan: Plan | None = None) -> str:
+    """The trainer-side backend ``sync.backend`` resolves to for the run's placement ``plan``
+    (None: servers this run did not place, e.g. attached ones: GPUs on this cluster or not)."""
     if sync_cfg.backend != "auto":
         return sync_cfg.backend
+    if plan is not None:
+        if plan.mode == "cpu":
+            return "shm"
+        if plan.mode == "disaggregated":
+            return "nccl"
+        rank0 = plan.slot("trainer", 0).bundle
+        servers = [s for s in plan.slots if s.role == "rollout"]
+        return "ipc" if all(s.bundle == rank0 for s in servers) else "shm"
     import ray
 
     if ray.is_initialized():
@@ -36,9 +53,9 @@ def weight_backend(sync_cfg: SyncConfig) -> str:
     return "nccl" if torch.cuda.is_available() else "shm"
 
 
-def server_backend(sync_cfg: SyncConfig) -> str:
+def server_backend(sync_cfg: SyncConfig, plan: Plan | None = None) -> str:
     """The ``--weight-transfer-config`` backend the servers start with."""
-    return SERVER_BACKENDS[weight_backend(sync_cfg)]
+    return SERVER_BACKENDS[weight_backend(sync_cfg, plan)]
 
 
 def make_transport(

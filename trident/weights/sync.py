@@ -22,8 +22,11 @@ in the async pipelines tokens generated in that window carry version N, and a fa
 the run, so they are never trained on.
 
 A failure of any step resumes every server before ``WeightSyncError`` is raised (the transport
-first closes their update sessions), so a caller may retry the same version. A restarted server
+first closes their update sessions), so a caller may retry the same version. A retry after a
+failed verify (the push finished everywhere) sends only to the servers that do not hold the
+version yet, so no server applies an update, a delta in particular, twice. A restarted server
 is brought back to the last pushed version by ``rejoin``, from the transport's kept copy.
+Tests kill servers at named moments of both (``trident.weights.faults``).
 
 The public methods are synchronous (each runs its own event loops); async callers use
 ``asyncio.to_thread``.
@@ -36,12 +39,13 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 
 from trident.rollout.engine import VLLMClient
 from trident.weights.control import WeightRoutes, WeightSyncError, each, timed
+from trident.weights.faults import fault_point
 from trident.weights.tensors import NamedTensors, full_tensor
 
 
@@ -83,36 +87,49 @@ class Transport(Protocol):
 
 
 def hf_named_tensors(
-    model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+    weights: torch.nn.Module | Mapping[str, torch.Tensor] | NamedTensors,
     tie_word_embeddings: bool,
     *,
     embed_name: str = "model.embed_tokens.weight",
     head_name: str = "lm_head.weight",
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(HF name, tensor)`` for every weight, with ``head_name`` always present when tied.
+    """Yield ``(HF name, tensor)`` for every weight of a model, a state dict or a stream of
+    pairs (a LoRA policy's merged weights), with ``head_name`` always present when tied.
+
+    ``dtype``: the engine's; each tensor is cast to it as it is yielded (lazily: one bucket at a
+    time), so float32 master weights go to a bfloat16 engine at half the bytes, and an FSDP2
+    shard is cast before it is gathered (the gather moves half the bytes too).
 
     vLLM's reload unties a tied LM head: an update that carries only the embedding leaves the
     head on the old weights (measured: the engine then silently mixes old and new). So for a
     model with ``tie_word_embeddings`` the head is sent explicitly, as the embedding tensor.
     """
-    if isinstance(model_or_state_dict, torch.nn.Module):
-        state: Mapping[str, torch.Tensor] = model_or_state_dict.state_dict()
+    if isinstance(weights, torch.nn.Module):
+        pairs: NamedTensors = weights.state_dict().items()
+    elif isinstance(weights, Mapping):
+        pairs = cast("Mapping[str, torch.Tensor]", weights).items()
     else:
-        state = model_or_state_dict
+        pairs = weights
     embedding = None
     has_head = False
-    for name, tensor in state.items():
+    for name, tensor in pairs:
         has_head = has_head or name == head_name
         if name == embed_name:
             embedding = tensor
-        yield name, tensor.detach()
+        yield name, _cast(tensor.detach(), dtype)
     if tie_word_embeddings and not has_head:
         if embedding is None:
             raise ValueError(
                 f"tied embeddings: neither {head_name!r} nor {embed_name!r} is in the state "
                 "dict; pass embed_name= for this architecture"
             )
-        yield head_name, embedding.detach()
+        yield head_name, _cast(embedding.detach(), dtype)
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    floating = tensor.is_floating_point() and dtype is not None
+    return tensor.to(dtype) if floating and tensor.dtype != dtype else tensor
 
 
 def drain(named_tensors: NamedTensors) -> None:
@@ -165,7 +182,7 @@ class WeightSync:
     """Pushes weights to every vLLM server in ``urls`` through ``transport`` and verifies that
     they applied."""
 
-    def __init__(self, urls: list[str], transport: Transport, *, timeout_s: float = 120.0) -> None:
+    def __init__(self, urls: list[str], transport: Transport, *, timeout_s: float = 60.0) -> None:
         """``timeout_s`` bounds every HTTP call of pause, resume and verify (the transport has
         its own)."""
         if not urls:
@@ -175,6 +192,7 @@ class WeightSync:
         self.transport = transport
         self.timeout_s = timeout_s
         self.version: int | None = None  # last version finished on every server
+        self.holding: set[str] = set()  # the servers that hold it (pushed or rejoined)
 
     def init(self) -> None:
         """Called once, after the servers are up: ``/init_weight_transfer_engine`` on each."""
@@ -187,21 +205,35 @@ class WeightSync:
         fewer while one is down, none at all while every one is). Returns bytes and seconds per
         phase. The stream is consumed either way (the other ranks' gathers).
 
+        Pushing the last pushed version again is a retry (its verification failed because a
+        server died): it goes only to the servers in ``urls`` that do not hold it yet, so no
+        server gets an update twice, a delta included; ``verify`` then checks them all.
+
         Raises ``WeightSyncError`` (servers resumed on their previous version) when any server
         refuses or fails a step. Follow with ``verify``.
         """
-        if self.version is not None and version <= self.version:
-            raise ValueError(
-                f"version {version} is not newer than the last pushed ({self.version})"
-            )
+        if self.version is not None and version < self.version:
+            raise ValueError(f"version {version} is older than the last pushed ({self.version})")
         self.targets = self.urls if urls is None else [u.rstrip("/") for u in urls]
-        targets, stream = self.targets, iter(named_tensors)
+        holding = self.holding if version == self.version else set()
+        targets = [u for u in self.targets if u not in holding]
+        stream = iter(named_tensors)
         try:
-            metrics = self._paused(targets, lambda: self.transport.send(stream, version, targets))
+            if not targets and holding:  # a retry that every target already holds
+                return {"servers_sent": 0.0}
+            metrics = self._paused(targets, lambda: self._send(stream, version, targets))
         finally:
             drain(stream)  # a push that failed early still owes the other ranks its gathers
-        self.version = version
+        metrics["servers_sent"] = float(len(targets))
+        fault_point("pushed", self.targets)
+        self.version, self.holding = version, holding | set(targets)
         return metrics
+
+    def _send(
+        self, stream: Iterator[tuple[str, torch.Tensor]], version: int, targets: list[str]
+    ) -> dict[str, float]:
+        fault_point("push", targets)
+        return self.transport.send(stream, version, targets)
 
     def rejoin(
         self, url: str, probe_ids: list[int], expected_logprobs: list[float], tolerance: float
@@ -211,6 +243,7 @@ class WeightSync:
         full, and verify it against the probe logprobs the trainer computed for that version.
         Needs a transport that keeps a copy (shm with ``keep_served`` or ``delta``)."""
         version, send = self.transport.resend(url.rstrip("/"))
+        fault_point("rejoin", [url.rstrip("/")])
         targets = self.targets
         self.targets = [url.rstrip("/")]
         try:
@@ -218,6 +251,8 @@ class WeightSync:
             m |= self.verify(probe_ids, expected_logprobs, version, tolerance)
         finally:
             self.targets = targets
+        if version == self.version:
+            self.holding.add(url.rstrip("/"))
         return m
 
     def close(self) -> None:
@@ -250,10 +285,10 @@ class WeightSync:
         engines = {url: VLLMClient(url, timeout_s=self.timeout_s) for url in urls}
         try:
             if quiet:
-                calls = (getattr(engine, method)() for engine in engines.values())
+                calls = (getattr(engine, method)(self.timeout_s) for engine in engines.values())
                 await asyncio.gather(*calls, return_exceptions=True)
             else:
-                await each(urls, method, lambda url: getattr(engines[url], method)())
+                await each(urls, method, lambda url: getattr(engines[url], method)(self.timeout_s))
         finally:
             for engine in engines.values():
                 await engine.aclose()

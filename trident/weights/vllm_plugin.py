@@ -19,6 +19,7 @@ import functools
 import math
 import mmap
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -102,11 +103,11 @@ def register() -> None:
     core (``fork_engine_core``)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if os.environ.get("TRIDENT_VLLM_SERVER") == "1":
-        from trident.cluster.process import die_with_parent
-
-        die_with_parent()
-        os.register_at_fork(after_in_child=die_with_parent)  # a forked child runs no plugin
+    if os.environ.get("TRIDENT_VLLM_SERVER") == "1" and os.environ.get(PARENT_PID) != str(
+        os.getpid()
+    ):  # once per process (plugins may load more than once)
+        _die_with_parent()
+        os.register_at_fork(after_in_child=_die_with_parent)  # a forked child runs no plugin
         if os.environ.get("TRIDENT_VLLM_FORK") == "1":
             fork_engine_core()
 
@@ -114,6 +115,27 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "trident.weights.shm_engine", "TridentShmEngine"
         )
+
+
+PARENT_PID = "TRIDENT_PARENT_PID"  # the pid each of a server's processes expects as its parent
+API_SERVER_PID = "TRIDENT_VLLM_API_PID"  # set by the API server for the processes below it
+
+
+def _die_with_parent() -> None:
+    """This vLLM process dies with the one that started it (``PARENT_PID``, set by the
+    supervisor for the API server and by each process for its children, so a parent that died
+    before the request is caught too): the API server by SIGTERM, whose shutdown stops its engine
+    core; every process below it by SIGKILL, since each one's own children die with it in turn
+    (a SIGTERMed engine core was seen to outlive its killed API server)."""
+    from trident.cluster.process import die_with_parent
+
+    me = str(os.getpid())
+    top = API_SERVER_PID not in os.environ
+    parent = int(os.environ.get(PARENT_PID) or 0) or None
+    die_with_parent(signal.SIGTERM if top else signal.SIGKILL, parent=parent)
+    if top:
+        os.environ[API_SERVER_PID] = me
+    os.environ[PARENT_PID] = me
 
 
 def fork_engine_core() -> None:
