@@ -9,7 +9,8 @@ machine at once (Ray, the trainer rank, the vLLM engine, the kept copy of the se
 
 - ``full``: full fine-tuning, with ``trainer.activation_checkpointing=true`` and
   ``trainer.logprob_chunk_tokens=256`` (``FULL``: with the defaults it does not fit);
-- ``lora``: ``model.lora`` r=16 on every projection (the engine gets the merged weights).
+- ``lora``: ``model.lora`` r=16 on every projection; each sync sends the adapters alone
+  (``model.lora.sync=adapter``), which the engine (started with ``--enable-lora``) serves.
 
 Recorded per run: seconds per step by stage (the run's own ``time/*`` metrics, mean over the
 steps after the first), sync bytes and seconds, the largest |Δlogp| of the verifications, the

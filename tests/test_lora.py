@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.test_algo_learning import BASE, make_samples
 from trident.cluster.net import free_port
@@ -153,6 +154,9 @@ def _two_ranks(rank: int, model: str, port: int, out: str) -> None:
         else:
             drain(stream)
     passes.append(lora.merged_state_dict(worker.model))  # collective: the HF export's
+    adapters = lora.adapter_tensors(worker.model)  # the adapter sync's stream, gathered as sent
+    sent = {n: full_tensor(t) for n, t in adapters} if rank == 0 else {}
+    drain(adapters)  # rank 1's share of the gathers (rank 0's stream is spent)
     worker.shutdown()
     if rank == 0:
         expected = {}
@@ -170,7 +174,10 @@ def _two_ranks(rank: int, model: str, port: int, out: str) -> None:
         worst = max((p[n] - t).abs().max().item() for p in passes for n, t in expected.items())
         largest_b = max(t.abs().max().item() for n, t in whole.items() if ".lora_B." in n)
         names = [sorted(p) == sorted(expected) for p in passes[:2]]
-        result = {"worst": worst, "largest_b": largest_b, "names": names}
+        lora_whole = {n.replace(".default.", "."): t for n, t in whole.items() if ".lora_" in n}
+        assert sorted(sent) == sorted(lora_whole)
+        adapter_worst = max((sent[n] - t).abs().max().item() for n, t in lora_whole.items())
+        result = {"worst": worst, "largest_b": largest_b, "names": names, "adapter": adapter_worst}
         Path(out).write_text(json.dumps(result))
 
 
@@ -179,7 +186,8 @@ def test_the_merged_stream_on_two_fsdp_ranks_is_the_merge_of_the_whole_tensors(
 ):
     """FSDP2 shards W and B alike: each rank merges its own rows, the stream runs no collective
     of its own, and two ranks consuming it as the transports do (rank 0 with lookahead, twice)
-    stay in step and send exactly W + B @ A * alpha / r."""
+    stay in step and send exactly W + B @ A * alpha / r; the adapter sync's stream, gathered on
+    rank 0 and drained on rank 1, is exactly the whole A and B under peft's saved names."""
     import json
 
     from torch.multiprocessing.spawn import start_processes
@@ -193,19 +201,24 @@ def test_the_merged_stream_on_two_fsdp_ranks_is_the_merge_of_the_whole_tensors(
     assert result["names"] == [True, True]
     assert result["largest_b"] > 1e-3  # the adapters moved: the merge is not W alone
     assert result["worst"] == 0.0
+    assert result["adapter"] == 0.0
 
 
-def test_a_lora_runs_merged_syncs_verify(tiny_model, tmp_path):
-    """``trident train`` with ``model.lora`` against a real vLLM server: every sync sends the
-    merged weights under the base names, and the server reproduces the adapter model's probe
-    logprobs (``sync.verify``): a merge that is wrong, a missing scale or a lora tensor sent
-    would fail here."""
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_a_lora_runs_syncs_verify(tiny_model, tmp_path, sync):
+    """``trident train`` with ``model.lora`` against real vLLM servers: every sync sends the
+    adapters alone, which the server (``--enable-lora``) loads in place and the rollout's
+    requests name, or the merged weights under the base names; either way the server reproduces
+    the adapter model's probe logprobs (``sync.verify``): a merge that is wrong, a missing
+    scale, an adapter not loaded or not asked for would fail here. The adapter sync sends the
+    adapters' bytes, a fraction of the model's."""
     from trident.pipeline.run import run_train
     from trident.telemetry.metrics import read_metrics
 
     cfg = load_config(
         [],
         [f"model.path={tiny_model}", f"run.dir={tmp_path}", "run.name=lora", LORA,
+         f"model.lora.sync={sync}",
          "pipeline.steps=2", "pipeline.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=16",
          "trainer.lr=1e-2", "trainer.cpu_threads=1", "eval.before_after=false",
          "telemetry.progress=false", "telemetry.tensorboard=false",
@@ -213,14 +226,23 @@ def test_a_lora_runs_merged_syncs_verify(tiny_model, tmp_path):
     )  # fmt: skip
     results = run_train(cfg)
     metrics = read_metrics(cfg.derived.run_dir)
-    print([(m["version"], m["sync/max_abs_dlogp"]) for m in metrics])
+    print([(m["version"], m["sync/max_abs_dlogp"], m["sync/bytes"]) for m in metrics])
     assert [m["version"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["sync/max_abs_dlogp"] <= cfg.sync.tolerance
         assert m["grad_norm"] > 0
+    # the rollout sampled with the adapted policy: at step 1 the engine's logprobs of its own
+    # samples are the trainer's (the base alone is 0.69 away on the probe, below)
+    assert metrics[1]["mismatch_abs_logp_diff_max"] <= cfg.sync.tolerance
+    model_bytes = sum(
+        t.numel() * 4 for t in load_file(Path(tiny_model) / "model.safetensors").values()
+    )
+    if sync == "adapter":  # r=16 on every projection of the 4 layers: 0.63 MB of 3.6 MB
+        assert all(m["sync/bytes"] < model_bytes / 4 for m in metrics)
+        assert not (Path(cfg.derived.run_dir) / "lora_adapter").exists()  # removed at the end
+    else:
+        assert all(m["sync/bytes"] >= model_bytes for m in metrics)
     # the servers verified weights the adapters moved: the exported merge is not the base
-    from safetensors.torch import load_file
-
     name = "model.layers.0.self_attn.q_proj.weight"
     base = load_file(Path(tiny_model) / "model.safetensors")[name]
     final = load_file(Path(results["final_checkpoint"]) / "model.safetensors")
@@ -241,3 +263,49 @@ def test_a_lora_runs_merged_syncs_verify(tiny_model, tmp_path):
 def distinct_characters(response: str, **_: object) -> float:
     """A reward that varies across a random model's responses, so the adapters get gradients."""
     return len(set(response)) / 16
+
+
+def test_the_adapter_sync_brings_a_restarted_server_back(tiny_model, tmp_path):
+    """``AdapterTransport`` into a real vLLM server started for adapters: adapters that change
+    the model's logprobs (the base is far from them) sync and verify; the server restarted
+    serves the base again and fails the check, until ``WeightSync.rejoin`` loads the last
+    version from the adapter directory and verifies it."""
+    from trident.config.schema import LoraConfig
+    from trident.models.load import load_causal_lm, load_tokenizer
+    from trident.rollout.engine import ADAPTER_MODEL
+    from trident.rollout.vllm_server import VLLMServer, lora_server_args
+    from trident.train import lora
+    from trident.weights.adapter import AdapterTransport
+    from trident.weights.control import WeightSyncError
+    from trident.weights.sync import WeightSync, hf_named_tensors, make_probe, probe_logprobs
+
+    torch.manual_seed(0)
+    model = lora.wrap(load_causal_lm(tiny_model), LoraConfig(r=8))
+    with torch.no_grad():  # as after training (B starts at 0)
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    probe = make_probe(load_tokenizer(tiny_model), 32)
+    expected = probe_logprobs(model, probe)
+    base = probe_logprobs(load_causal_lm(tiny_model), probe)
+    assert max(abs(a - b) for a, b in zip(expected, base, strict=True)) > 0.1
+    args, env = lora_server_args(8)
+    server = VLLMServer(tiny_model, tmp_path / "server.log", extra_args=args, extra_env=env)
+    transport = AdapterTransport(tmp_path / "adapter", lora.adapter_config(model))
+    try:
+        url = server.start()
+        sync = WeightSync([url], transport, model=ADAPTER_MODEL)
+        sync.init()
+        pushed = sync.push(hf_named_tensors(lora.adapter_tensors(model), False), 1)
+        assert pushed["bytes"] == sum(
+            p.numel() * 4 for n, p in model.named_parameters() if "lora" in n
+        )
+        assert sync.verify(probe, expected, 1, 2e-3)["max_abs_dlogp"] <= 2e-3
+        server.stop()
+        assert server.start() == url
+        with pytest.raises(WeightSyncError, match="version check failed"):
+            sync.verify(probe, expected, 1, 2e-3)
+        assert sync.rejoin(url, probe, expected, 2e-3)["max_abs_dlogp"] <= 2e-3
+    finally:
+        server.stop()
+        transport.close()

@@ -25,7 +25,7 @@ def test_a_half_billion_model_trains_full_and_lora_on_this_machine(tmp_path):
         dlogp = run["sync_max_abs_dlogp"]  # every sync verified, within sync.tolerance
         assert dlogp is not None and dlogp < 2e-3
     assert runs["lora"]["optimizer_state_gib"] < 0.05 * runs["full"]["optimizer_state_gib"]
-    assert runs["lora"]["sync_gb"] == pytest.approx(runs["full"]["sync_gb"])  # merged: in full
+    assert runs["lora"]["sync_gb"] < 0.05 * runs["full"]["sync_gb"]  # the adapters alone
     for row in result["logprob_memory"]:
         if row["tokens"] >= 4096:
             assert row["chunked_gib"] <= row["grid_gib"] / 4

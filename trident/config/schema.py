@@ -65,8 +65,8 @@ class RunConfig(Section):
 
 
 class LoraConfig(Section):
-    """LoRA adapters on the policy (peft): only they train and carry optimizer state; the
-    servers get the merged weights."""
+    """LoRA adapters on the policy (peft): only they train and carry optimizer state; each sync
+    sends the servers the adapters alone (vLLM serves them) or the merged weights."""
 
     r: int = Field(default=16, ge=1, description="Rank of each adapter.")
     alpha: int = Field(
@@ -93,6 +93,13 @@ class LoraConfig(Section):
         min_length=1,
         description="Names of the nn.Linear layers that get an adapter (peft's target_modules; "
         "the default: every projection of a Llama/Qwen decoder layer).",
+    )
+    sync: Literal["adapter", "merged"] = Field(
+        default="adapter",
+        description="What a weight sync sends: 'adapter', the adapters alone, which the servers "
+        "(started with --enable-lora) load in place, ~1-2% of the bytes; 'merged', the whole "
+        "model with the adapters merged in, for servers that cannot serve adapters. Both are "
+        "verified by the probe (sync.verify).",
     )
 
 

@@ -59,6 +59,8 @@ class RolloutEngine(Protocol):
 
 
 SERVED_MODEL = "policy"  # the model name trident's servers answer to, whatever the checkpoint
+# what a LoRA policy's requests name under model.lora.sync=adapter (trident.weights.adapter)
+ADAPTER_MODEL = "policy-lora"
 
 # what an engine's progress is read from (``VLLMClient.progress``), summed over engines
 PROGRESS_METRICS = (
@@ -213,7 +215,10 @@ class VLLMClient:
             return False
         try:
             await self._post(
-                "/v1/completions", {"model": self.model, "prompt": [0], "max_tokens": 1}, within_s
+                # the base model: a restarted server answers it before any adapter is loaded
+                "/v1/completions",
+                {"model": SERVED_MODEL, "prompt": [0], "max_tokens": 1},
+                within_s,
             )
         except EngineError:
             return False

@@ -16,24 +16,43 @@ from ray.exceptions import GetTimeoutError, RayTaskError
 from trident.cluster.net import check_port_free, node_ip, single_node
 from trident.cluster.placement import Plan, make_plan
 from trident.config import TridentConfig
-from trident.rollout.engine import SERVED_MODEL, VLLMClient
+from trident.rollout.engine import ADAPTER_MODEL, SERVED_MODEL, VLLMClient
 from trident.rollout.router import Router
-from trident.rollout.vllm_server import ServerStartError
+from trident.rollout.vllm_server import ServerStartError, lora_server_args
 
 
 def server_options(cfg: TridentConfig, weight_transfer: str | None) -> dict[str, Any]:
     """``VLLMServer``'s options from the config (the fleet's servers and ``trident rollout
     serve``'s are started alike)."""
     rc = cfg.rollout
+    args, env = list(rc.extra_server_args), {}
+    if request_model(cfg) == ADAPTER_MODEL:  # the servers load the policy's adapters
+        assert cfg.model.lora is not None
+        lora_args, env = lora_server_args(cfg.model.lora.r)
+        args = lora_args + args
     return dict(
         dtype=cfg.model.dtype,
         max_model_len=rc.max_model_len,
         kv_cache_gib=rc.kv_cache_gib,
         gpu_memory_utilization=rc.gpu_memory_utilization,
         weight_transfer_backend=weight_transfer,
-        extra_args=list(rc.extra_server_args),
+        extra_args=args,
+        extra_env=env,
         seed=cfg.run.seed,
     )
+
+
+def request_model(cfg: TridentConfig) -> str:
+    """The model name the rollout's requests ask the servers for: the policy's adapter under
+    ``model.lora.sync=adapter``, else the served weights."""
+    lora = cfg.model.lora
+    return ADAPTER_MODEL if lora is not None and lora.sync == "adapter" else SERVED_MODEL
+
+
+def clients(cfg: TridentConfig, urls: list[str]) -> list[VLLMClient]:
+    """A client per server, for the rollout's requests."""
+    timeout, model = cfg.rollout.request_timeout_s, request_model(cfg)
+    return [VLLMClient(u, timeout_s=timeout, model=model) for u in urls]
 
 
 def attach(cfg: TridentConfig) -> Router:
@@ -64,7 +83,7 @@ def attach(cfg: TridentConfig) -> Router:
         root = next(m.get("root") for m in models if m["id"] == SERVED_MODEL)
         version = info.json().get("weight_version")
         print(f"attached to rollout server {url} ({root}, weight version {version})", flush=True)
-    return Router([VLLMClient(u, timeout_s=rc.request_timeout_s) for u in rc.server_urls])
+    return Router(clients(cfg, rc.server_urls))
 
 
 @ray.remote
@@ -162,7 +181,7 @@ class RolloutFleet(AbstractContextManager):
             ) from None
         nodes = ray.get([a.node.remote() for a in self.actors], timeout=30)
         self.nodes = dict(zip(urls, nodes, strict=True))
-        self._router = Router([VLLMClient(u, timeout_s=rc.request_timeout_s) for u in urls])
+        self._router = Router(clients(self.cfg, urls))
         return self
 
     async def restart(self, i: int) -> VLLMClient:
@@ -173,7 +192,7 @@ class RolloutFleet(AbstractContextManager):
             url = await self.actors[i].restart.remote(rc.startup_timeout_s)
         except RayTaskError as e:
             raise e.as_instanceof_cause() from None
-        return VLLMClient(url, timeout_s=rc.request_timeout_s)
+        return clients(self.cfg, [url])[0]
 
     def log_path(self, i: int) -> Path:
         return self.log_dir / f"vllm_server_{i}.log"

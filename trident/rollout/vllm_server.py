@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -40,6 +40,20 @@ def log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text[-lines:])
 
 
+# the ranks vLLM accepts for --max-lora-rank (vllm/config/lora.py)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_server_args(r: int) -> tuple[list[str], dict[str, str]]:
+    """The vLLM arguments and environment that let a server load adapters of rank ``r`` while
+    it runs (``model.lora.sync=adapter``: ``trident.weights.adapter``)."""
+    rank = next((k for k in VLLM_LORA_RANKS if k >= r), None)
+    if rank is None:
+        raise ValueError(f"model.lora.r={r}: vLLM serves adapters up to rank 512")
+    args = ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
+    return args, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
 class VLLMServer:
     """One vLLM server process: ``start()`` -> url, ``healthy()``, ``stop()``."""
 
@@ -56,6 +70,7 @@ class VLLMServer:
         gpu_memory_utilization: float = 0.5,
         weight_transfer_backend: str | None = "trident_shm",
         extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
         seed: int = 0,
     ) -> None:
         self.model_path, self.host = model_path, host
@@ -122,6 +137,7 @@ class VLLMServer:
             self.env["TORCH_COMPILE_DISABLE"] = "1"
         if weight_transfer_backend == "ipc":  # vLLM's ipc backend ships pickled CUDA IPC handles
             self.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        self.env.update(extra_env or {})
         self.proc: subprocess.Popen | None = None
 
     @property

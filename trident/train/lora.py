@@ -1,17 +1,19 @@
-"""LoRA on the policy (``model.lora``, peft): the adapters train, the servers get merged weights.
+"""LoRA on the policy (``model.lora``, peft): the adapters train; the servers get the adapters
+(``model.lora.sync=adapter``: ``adapter_tensors``, ``trident.weights.adapter``) or the merged
+weights.
 
 ``wrap`` puts peft's LoRA layers on the loaded model before FSDP2 shards it: the base weights
 are frozen (``requires_grad=False``, which FSDP2 allows beside trainable adapters in one unit),
 so the optimizer, which takes only parameters that require a gradient, holds state for the
 adapters alone.
 
-What leaves the trainer is the merged model under the base model's names: ``MergedWeights``
-yields, for each adapted linear layer, ``W + (B @ A) * alpha / r`` as ``<layer>.weight`` (peft's
+The merged sync (``model.lora.sync=merged``) and the HF export send the merged model under the
+base model's names: ``MergedWeights`` yields, for each adapted linear layer, ``W + (B @ A) * alpha / r`` as ``<layer>.weight`` (peft's
 ``scaling``), the base layer's bias as ``<layer>.bias``, drops the ``lora_*`` tensors and strips
-peft's ``base_model.model.`` prefix. The weight sync streams it to
-the servers, which know nothing of adapters, and the HF export saves it, so ``from_pretrained``
-loads a plain model. The probe the servers must reproduce comes from the adapter model itself,
-so a wrong merge fails every sync's verification.
+peft's ``base_model.model.`` prefix. The weight sync streams it to servers that then need know
+nothing of adapters, and the HF export saves it, so ``from_pretrained`` loads a plain model.
+Either way the probe the servers must reproduce comes from the adapter model itself, so a wrong
+merge or a wrongly loaded adapter fails the sync's verification.
 
 Simplifications: adapters on ``nn.Linear`` layers only (peft's embedding and convolution
 adapters are refused); one active adapter; the merge is computed in float32, one layer at a
@@ -21,7 +23,7 @@ time as the stream reaches it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -131,6 +133,22 @@ def _merge(w: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scaling: float) ->
         merged.to(local.dtype), w.device_mesh, w.placements, run_check=False,
         shape=w.shape, stride=w.stride(),
     )  # fmt: skip
+
+
+def adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapters alone, as peft saves them (``...lora_A.weight``: the adapter's name dropped,
+    peft's prefix kept), in state-dict order; FSDP2 shards as they are (the consumer gathers
+    each: ``trident.weights.adapter``)."""
+    for name, tensor in model.state_dict().items():
+        if ".lora_A." in name or ".lora_B." in name:
+            layer, kind, leaf = name.rpartition(".lora_A." if ".lora_A." in name else ".lora_B.")
+            yield f"{layer}{kind}{leaf.split('.', 1)[1]}", tensor.detach()
+
+
+def adapter_config(model: torch.nn.Module) -> dict[str, Any]:
+    """peft's ``adapter_config.json`` of the policy's one adapter, which vLLM reads."""
+    (config,) = cast("Any", model).peft_config.values()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
 
 
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

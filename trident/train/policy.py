@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from trident.weights.backend import Backend
-    from trident.weights.sync import WeightSync
+    from trident.weights.sync import Transport, WeightSync
 
 __all__ = ["PolicyWorker", "token_logprobs"]
 
@@ -282,6 +282,8 @@ class PolicyWorker:
         import ray
 
         from trident.cluster.net import node_ip
+        from trident.rollout.engine import ADAPTER_MODEL, SERVED_MODEL
+        from trident.weights.adapter import AdapterTransport
         from trident.weights.backend import make_transport
         from trident.weights.shm import same_host
         from trident.weights.sync import WeightSync, make_probe
@@ -293,17 +295,29 @@ class PolicyWorker:
             node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
             ip = node_ip()
             remote = [u for u in urls if not same_host(u, (nodes or {}).get(u), node, ip)]
-            transport = make_transport(
-                backend,
-                sc,
-                # what a restarted server is brought back to (rollout.max_restarts)
-                keep_served=self.cfg.rollout.max_restarts > 0,
-                remote=remote,
-                host=ip,  # serves the buckets; the engines join rank 0's NCCL group from it
-                timeout_s=sc.timeout_s,
-            )
-            self.sync = WeightSync(urls, transport, timeout_s=sc.timeout_s)
+            transport: Transport
+            if self.adapter_sync:  # the adapters alone, into the run directory, which they share
+                directory = Path(self.cfg.derived.run_dir) / "lora_adapter"
+                config = lora.adapter_config(self.model)
+                transport = AdapterTransport(directory, config, timeout_s=sc.timeout_s)
+            else:
+                transport = make_transport(
+                    backend,
+                    sc,
+                    # what a restarted server is brought back to (rollout.max_restarts)
+                    keep_served=self.cfg.rollout.max_restarts > 0,
+                    remote=remote,
+                    host=ip,  # serves the buckets; the engines join rank 0's NCCL group from it
+                    timeout_s=sc.timeout_s,
+                )
+            model = ADAPTER_MODEL if self.adapter_sync else SERVED_MODEL
+            self.sync = WeightSync(urls, transport, timeout_s=sc.timeout_s, model=model)
             self.sync.init()
+
+    @property
+    def adapter_sync(self) -> bool:
+        """Whether a sync sends the LoRA adapters alone (``model.lora.sync=adapter``)."""
+        return self.cfg.model.lora is not None and self.cfg.model.lora.sync == "adapter"
 
     def sync_weights(self, version: int, urls: list[str] | None = None) -> dict[str, float]:
         """Push the current weights as ``version`` to ``urls`` (default: every server) and
@@ -318,18 +332,25 @@ class PolicyWorker:
         # the probe is also what a restarted server is checked against (rollout.max_restarts)
         probe = self.cfg.sync.verify or self.cfg.rollout.max_restarts > 0
         expected = probe_logprobs(self.model, self.probe) if probe else None
-        # a LoRA policy serves its merged weights under the base model's names (collective)
-        weights = lora.MergedWeights(self.model) if lora.is_lora(self.model) else self.model
+        # a LoRA policy sends its adapters alone, or its merged weights under the base model's
+        # names (collective: MergedWeights gathers every A)
+        weights: Any = self.model
+        if self.adapter_sync:
+            weights = lora.adapter_tensors(self.model)
+        elif lora.is_lora(self.model):
+            weights = lora.MergedWeights(self.model)
         # cast to the engine's dtype shard by shard, before each gather (float32 master weights)
         engine_dtype = getattr(torch, self.cfg.model.dtype)
-        shards = hf_named_tensors(weights, self.tied, dtype=engine_dtype)
+        tied = self.tied and not self.adapter_sync
+        shards = hf_named_tensors(weights, tied, dtype=engine_dtype)
         metrics: dict[str, float] = {}
         if self.rank != 0:
             # the GPU backends send to one server at a time, gathering the stream for each
             targets = len(urls if urls is not None else self.server_urls)
             drain(shards)
-            for _ in range(stream_passes(self.backend, targets) - 1):
-                drain(hf_named_tensors(weights, self.tied, dtype=engine_dtype))
+            passes = 1 if self.adapter_sync else stream_passes(self.backend, targets)
+            for _ in range(passes - 1):
+                drain(hf_named_tensors(weights, tied, dtype=engine_dtype))
         else:
             assert self.sync is not None  # connect() made it on rank 0
             try:

@@ -53,7 +53,8 @@ class WeightRoutes:
         except httpx.HTTPError as e:
             raise _failed(url, path, e) from e
         _check(url, path, r)
-        return r.json() if r.content else {}
+        # some routes answer in plain text (vLLM's /v1/load_lora_adapter)
+        return r.json() if "json" in r.headers.get("content-type", "") else {}
 
     async def get(self, url: str, path: str) -> dict[str, Any]:
         try:

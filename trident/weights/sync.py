@@ -43,7 +43,7 @@ from typing import Any, Literal, Protocol, cast
 
 import torch
 
-from trident.rollout.engine import VLLMClient
+from trident.rollout.engine import SERVED_MODEL, VLLMClient
 from trident.weights.control import WeightRoutes, WeightSyncError, each, timed
 from trident.weights.faults import fault_point
 from trident.weights.tensors import NamedTensors, full_tensor
@@ -182,15 +182,24 @@ class WeightSync:
     """Pushes weights to every vLLM server in ``urls`` through ``transport`` and verifies that
     they applied."""
 
-    def __init__(self, urls: list[str], transport: Transport, *, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        transport: Transport,
+        *,
+        timeout_s: float = 60.0,
+        model: str = SERVED_MODEL,
+    ) -> None:
         """``timeout_s`` bounds every HTTP call of pause, resume and verify (the transport has
-        its own)."""
+        its own); ``model``: the served model name the probe asks for (a LoRA adapter's under
+        ``model.lora.sync=adapter``)."""
         if not urls:
             raise ValueError("WeightSync needs at least one server url")
         self.urls = [u.rstrip("/") for u in urls]
         self.targets = self.urls  # the servers the last push went to (the others were down)
         self.transport = transport
         self.timeout_s = timeout_s
+        self.model = model
         self.version: int | None = None  # last version finished on every server
         self.holding: set[str] = set()  # the servers that hold it (pushed or rejoined)
 
@@ -317,7 +326,9 @@ class WeightSync:
         self, probe_ids: list[int], expected: list[float], version: int, tolerance: float
     ) -> dict[str, float]:
         t0 = time.perf_counter()
-        engines = {url: VLLMClient(url, timeout_s=self.timeout_s) for url in self.targets}
+        engines = {
+            url: VLLMClient(url, timeout_s=self.timeout_s, model=self.model) for url in self.targets
+        }
         async with WeightRoutes(self.timeout_s) as routes:
 
             async def check(url: str) -> tuple[float, float]:
