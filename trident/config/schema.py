@@ -96,10 +96,9 @@ class LoraConfig(Section):
     )
     sync: Literal["adapter", "merged"] = Field(
         default="adapter",
-        description="What a weight sync sends: 'adapter', the adapters alone, which the servers "
-        "(started with --enable-lora) load in place, ~1-2% of the bytes; 'merged', the whole "
-        "model with the adapters merged in, for servers that cannot serve adapters. Both are "
-        "verified by the probe (sync.verify).",
+        description="What a sync sends: 'adapter', the adapters alone (~1-2% of the bytes), which "
+        "the servers, started with --enable-lora, load in place; 'merged', the whole model with "
+        "the adapters merged in, for servers that cannot serve adapters. Both verified.",
     )
 
 

@@ -94,10 +94,8 @@ class VLLMServer:
             str(seed),
             "--served-model-name",
             SERVED_MODEL,
-            # stats stay on: /metrics' token counters are how a frozen engine core is told
-            # from a busy one (trident.pipeline.recovery, liveness)
-            # Logprobs of the distribution actually sampled from (temperature applied), which is
-            # what the trainer's importance ratios compare against.
+            # stats stay on: /metrics' token counters tell a frozen engine core from a busy one
+            # logprobs of the distribution sampled from (temperature applied): the trainer's μ
             "--logprobs-mode",
             "processed_logprobs",
         ]
