@@ -160,29 +160,90 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_rollout_serve(args: argparse.Namespace) -> int:
     """One vLLM server with trident's weight transfer, until Ctrl-C or SIGTERM; runs attach to
-    it with ``rollout.server_urls``."""
-    cfg = _resolve(args)
-    if cfg is None:
-        return 0
+    it with ``rollout.server_urls``, or it joins the running job ``--join RUN_DIR`` (and leaves
+    it on SIGTERM once its requests in flight are done: ``trident.rollout.membership``)."""
+    run_dir = Path(args.join) if args.join else None
+    if run_dir is not None:  # the run's own settings: model, dtype, LoRA, weight transfer
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"--join {run_dir}: not a run directory (no config.yaml)")
+        cfg = load_config([run_dir / "config.yaml"], args.overrides)
+    else:
+        cfg = _resolve(args)
+        if cfg is None:
+            return 0
+    from trident.rollout import membership
     from trident.rollout.fleet import server_options
     from trident.rollout.vllm_server import VLLMServer
     from trident.weights.backend import server_backend
 
-    log = f"{cfg.derived.run_dir}/logs/vllm_server.log"
+    logs = Path(run_dir or cfg.derived.run_dir) / "logs"
+    log = logs / (f"vllm_server_joined_{os.getpid()}.log" if run_dir else "vllm_server.log")
     server = VLLMServer(
-        cfg.model.path, log, port=cfg.rollout.base_port, host=args.host,
+        cfg.model.path, log, port=0 if run_dir else cfg.rollout.base_port, host=args.host,
         **server_options(cfg, server_backend(cfg.sync)),
     )  # fmt: skip
     print(f"starting a rollout server for {cfg.model.path} (log: {log})", file=sys.stderr)
     url = server.start(cfg.rollout.startup_timeout_s)
     try:
-        print(f"serving at {url}: attach with 'rollout.server_urls=[{url}]'", flush=True)
+        if run_dir is None:
+            print(f"serving at {url}: attach with 'rollout.server_urls=[{url}]'", flush=True)
+        else:
+            kind, answer = membership.wait_answer(
+                membership.ask(run_dir, "join", url), cfg.rollout.startup_timeout_s
+            )
+            if kind == "refused":
+                print(f"error: {run_dir} refused {url}: {answer['reason']}", file=sys.stderr)
+                return 2
+            print(
+                f"serving at {url}: joined {run_dir} at weight version {answer['version']} "
+                f"in {answer['seconds']:.1f} s",
+                flush=True,
+            )
         assert server.proc is not None  # started
-        code = server.proc.wait()  # Ctrl-C / SIGTERM raise out of the wait
+        try:
+            code = server.proc.wait()  # Ctrl-C / SIGTERM raise out of the wait
+        except KeyboardInterrupt:
+            if run_dir is not None:  # leave: the run stops sending and lets its requests finish
+                print(f"leaving {run_dir}", file=sys.stderr, flush=True)
+                membership.wait_answer(membership.ask(run_dir, "leave", url), LEAVE_TIMEOUT_S)
+                print(f"left {run_dir}", file=sys.stderr, flush=True)
+            raise
         print(f"the rollout server exited with code {code} (log: {log})", file=sys.stderr)
         return 2
     finally:
         server.stop()
+
+
+LEAVE_TIMEOUT_S = 600  # a leaving server's requests in flight finish within rollout requests'
+
+
+def cmd_rollout_join(args: argparse.Namespace) -> int:
+    """Ask the running job in ``args.run_dir`` to bring the server at ``args.url`` (a
+    ``trident rollout serve``) to its weights and route to it."""
+    from trident.rollout import membership
+
+    request = membership.ask(args.run_dir, "join", args.url)
+    kind, answer = membership.wait_answer(request, LEAVE_TIMEOUT_S)
+    if kind == "refused":
+        print(f"error: {args.run_dir} refused {args.url}: {answer['reason']}", file=sys.stderr)
+        return 2
+    print(
+        f"{args.url} joined {args.run_dir} at weight version {answer['version']} in "
+        f"{answer['seconds']:.1f} s",
+        flush=True,
+    )
+    return 0
+
+
+def cmd_rollout_leave(args: argparse.Namespace) -> int:
+    """Ask the running job in ``args.run_dir`` to stop routing to ``args.url`` and wait until
+    its requests in flight are done; the server can then be stopped."""
+    from trident.rollout import membership
+
+    request = membership.ask(args.run_dir, "leave", args.url)
+    _, answer = membership.wait_answer(request, LEAVE_TIMEOUT_S)
+    print(f"{args.url} left {args.run_dir} after {answer['seconds']:.1f} s", flush=True)
+    return 0
 
 
 def _model_parser(sub) -> None:
@@ -280,7 +341,33 @@ def build_parser() -> argparse.ArgumentParser:
         "like its own and leaves it running.",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument(
+        "--join",
+        metavar="RUN_DIR",
+        help="join the job running in RUN_DIR (its model and settings; the overrides apply on top): "
+        "the run brings this server to its weights, verified, then routes to it; SIGTERM leaves "
+        "the job once the server's requests in flight are done, then stops the server",
+    )
     p.set_defaults(func=cmd_rollout_serve)
+    p = rollout_sub.add_parser(
+        "join",
+        help="add a running server to a running job",
+        description="Ask the job running in RUN_DIR to bring the server at URL (a `trident "
+        "rollout serve` of the job's model) to the job's weights, verified, and route to it.",
+    )
+    p.add_argument("url", help="the server's url")
+    p.add_argument("run_dir", help="the job's run directory")
+    p.set_defaults(func=cmd_rollout_join)
+    p = rollout_sub.add_parser(
+        "leave",
+        help="take a server out of a running job",
+        description="Ask the job running in RUN_DIR to send URL nothing new and wait until its "
+        "requests in flight are done (any server of the job: started, attached or joined). "
+        "The server itself is left running.",
+    )
+    p.add_argument("url", help="the server's url")
+    p.add_argument("run_dir", help="the job's run directory")
+    p.set_defaults(func=cmd_rollout_leave)
 
     for register in _plugins():
         register(sub)

@@ -59,8 +59,7 @@ class RunConfig(Section):
     max_restarts: int = Field(
         default=0,
         ge=0,
-        description="When a trainer rank dies: restart everything from the newest checkpoint "
-        "this many times (an automatic --resume); 0 = stop with the checkpoint to resume from.",
+        description="When a trainer rank dies: restart everything from the newest checkpoint this many times (an automatic --resume); 0 = stop with the checkpoint to resume from.",
     )
 
 
@@ -96,9 +95,7 @@ class LoraConfig(Section):
     )
     sync: Literal["adapter", "merged"] = Field(
         default="adapter",
-        description="What a sync sends: 'adapter', the adapters alone (~1-2% of the bytes), which "
-        "the servers, started with --enable-lora, load in place; 'merged', the whole model with "
-        "the adapters merged in, for servers that cannot serve adapters. Both verified.",
+        description="What a sync sends: 'adapter', the adapters alone (~1-2% of the bytes), which the servers, started with --enable-lora, load in place; 'merged', the whole model with the adapters merged in, for servers that cannot serve adapters. Both verified.",
     )
 
 
@@ -214,10 +211,7 @@ class EnvConfig(Section):
     )
     mcp_servers: list[dict[str, Any]] = Field(
         default_factory=list,
-        description="MCP servers whose tools join the environment's in every trajectory (a tool of the same name "
-        "replaces the environment's): `{command: [prog, arg, ...], env: {...}, cwd: ...}` (stdio, one server process "
-        "per trajectory) or `{url: http://.../mcp}` (streamable HTTP). A server that fails or dies makes the "
-        "trajectory an infra_error.",
+        description="MCP servers whose tools join the environment's in every trajectory (a tool of the same name replaces the environment's): `{command: [prog, arg, ...], env: {...}, cwd: ...}` (stdio, one server process per trajectory) or `{url: http://.../mcp}` (streamable HTTP). A server that fails or dies makes the trajectory an infra_error.",
     )
     max_turns: int = Field(default=8, ge=1, description="Assistant turns per trajectory.")
     max_turn_tokens: int = Field(
@@ -243,8 +237,7 @@ class EnvConfig(Section):
     )
     show_tools: bool = Field(
         default=True,
-        description="Render the tool schemas in the prompt; false saves their tokens for a model fine-tuned on the tools "
-        "(SFT data: `trident env data --no-tools`).",
+        description="Render the tool schemas in the prompt; false saves their tokens for a model fine-tuned on the tools (SFT data: `trident env data --no-tools`).",
     )
     timeout_s: float = Field(
         default=60.0,
@@ -291,28 +284,29 @@ class RolloutConfig(Section):
     max_restarts: int = Field(
         default=3,
         ge=0,
-        description="Restarts per server after it dies (then the run stops with its log); "
-        "each restarted server is brought to the served weights, verified, and rejoins. "
-        "Keeps a CPU copy of the served weights on trainer rank 0 (0 = off).",
+        description="Restarts per server after it dies (then the run stops with its log); each restarted server is brought to the served weights, verified, and rejoins. Keeps a CPU copy of the served weights on trainer rank 0 (0 = off).",
     )
     health_check_s: float = Field(
         default=10.0,
         ge=0,
-        description="Seconds between health checks of each server (two misses in a row take "
-        "it out); a failed request checks at once (0 = only on failures).",
+        description="Seconds between health checks of each server (two misses in a row take it out); a failed request checks at once (0 = only on failures).",
     )
     liveness_timeout_s: float = Field(
         default=60.0,
         ge=0,
-        description="A server with requests of ours pending whose engine makes no progress "
-        "(its /metrics token counters and KV-cache usage unchanged) for this long is frozen: "
-        "taken out, its process group killed and restarted like a dead one (0 = off).",
+        description="A server with requests of ours pending whose engine makes no progress (its /metrics token counters and KV-cache usage unchanged) for this long is frozen: taken out, its process group killed and restarted like a dead one (0 = off).",
     )
     server_urls: list[str] = Field(
         default_factory=list,
-        description="Attach to vLLM servers started elsewhere (`trident rollout serve`) instead "
-        "of starting rollout.num_servers: trident checks, syncs and verifies them like its own, "
-        "and neither restarts nor stops them.",
+        description="Attach to vLLM servers started elsewhere (`trident rollout serve`) instead of starting rollout.num_servers: trident checks, syncs and verifies them like its own, and neither restarts nor stops them.",
+    )
+    min_servers: int = Field(
+        default=0,
+        ge=0,
+        description="Below this many servers up (the others left or died, not restartable) the run waits for `trident rollout serve --join RUN_DIR`; 0: with none up it stops.",
+    )
+    max_servers: int = Field(
+        default=0, ge=0, description="Joiners beyond this many servers are refused (0 = any)."
     )
 
 

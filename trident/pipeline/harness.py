@@ -61,10 +61,11 @@ from trident.pipeline.metrics import (
     trained_metrics,
 )
 from trident.pipeline.progress import StepProgress
-from trident.pipeline.recovery import Rejoiner, ServerRecovery, ServerRestarter
+from trident.pipeline.recovery import Elastic, Rejoiner, ServerRecovery, ServerRestarter
 from trident.pipeline.stages import GroupMaker, Schedule, Trainer
 from trident.pipeline.watchdog import Watchdog
 from trident.rollout.engine import EngineError, FinishReason, RolloutEngine, SamplingParams
+from trident.rollout.fleet import clients
 from trident.rollout.router import Router
 from trident.sample import Sample
 from trident.telemetry.lineage import SampleLog
@@ -126,8 +127,8 @@ class RunHarness:
         pids: dict[str, int] | None = None,
         fleet: ServerRestarter | None = None,
     ) -> None:
-        """``fleet``: what restarts a dead rollout server (without one, a dead server stops the
-        run)."""
+        """``fleet``: what restarts a dead rollout server this run started (without one, a dead
+        server is left out: ``trident.pipeline.recovery``)."""
         p = cfg.pipeline
         self.cfg, self.router, self.trainer, self.log = cfg, router, trainer, log
         self.fleet = fleet
@@ -145,19 +146,19 @@ class RunHarness:
         )
         self.gate = WeightGate(router, answer_within_s=cfg.rollout.liveness_timeout_s)
         rc = cfg.rollout
-        self.recovery = (
-            ServerRecovery(
-                router,
-                self.gate,
-                trainer,
-                fleet,
-                rc.max_restarts,
-                rc.health_check_s,
-                self.trace,
-                liveness_timeout_s=rc.liveness_timeout_s,
-            )
-            if fleet is not None
-            else None
+        elastic = Elastic(
+            self.run_dir, lambda url: clients(cfg, [url])[0], rc.min_servers, rc.max_servers
+        )
+        self.recovery = ServerRecovery(
+            router,
+            self.gate,
+            trainer,
+            fleet,
+            rc.max_restarts,
+            rc.health_check_s,
+            self.trace,
+            liveness_timeout_s=rc.liveness_timeout_s,
+            elastic=elastic,
         )
         self.signal = SignalFilter(p.dynamic_sampling_max_dropped or 2 * p.prompts_per_step)
         self.progress = StepProgress(p.steps, enabled=cfg.telemetry.progress)
@@ -197,8 +198,7 @@ class RunHarness:
             self.results["before"] = await self.evaluate()
         self.start = self.step_start = self.trace.now()
         self.watchdog.beat()
-        if self.recovery is not None:
-            self._health = asyncio.create_task(self.recovery.watch())
+        self._health = asyncio.create_task(self.recovery.watch())
 
     async def close(self) -> None:
         """Stop the health check and any server recovery under way (after ``finish`` or an
@@ -206,8 +206,7 @@ class RunHarness:
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
-        if self.recovery is not None:
-            await self.recovery.close()
+        await self.recovery.close()
 
     async def finish(self) -> dict[str, Any]:
         """Pipeline summary (over the steps), final checkpoint, trace and summary to the run
@@ -333,8 +332,7 @@ class RunHarness:
             metrics |= self.signal.metrics()
         metrics |= staleness_metrics(samples, step, self.buffer.max_staleness)
         metrics |= self.stats.metrics()
-        if self.recovery is not None:
-            metrics |= self.recovery.metrics()
+        metrics |= self.recovery.metrics()
         wall = max(now - self.step_start, 1e-9)
         metrics |= {
             "version": float(step + 1),

@@ -38,8 +38,16 @@ back in.
    server that dies during its rejoin (it no longer answers ``/health``) is restarted again,
    within ``rollout.max_restarts``.
 
+5. **Join and leave** (``members``): every second the run directory's ``fleet/`` is read for
+   servers asking to join or leave (``trident.rollout.membership``). A joiner is brought to the
+   served version like a restarted server (the kept copy, pushed and verified, under the weight
+   gate's lock) and only then routed to; a leaver gets no new request, and is answered once its
+   requests in flight have finished where they were. A server this run did not start (attached,
+   joined) that dies is left out, not restarted. With fewer than ``rollout.min_servers`` up the
+   run waits for a joiner, saying so; with ``min_servers=0`` (the default) and none up it stops.
+
 Each recovery is timed (detected -> back in) into ``rollout/recovery_s``; ``rollout/restarts``
-counts them over the run. It is also a ``restart`` span on the server in the run's trace, so a
+counts them over the run; ``rollout/servers`` is the servers up at each step. It is also a ``restart`` span on the server in the run's trace, so a
 hang during one is reported as that stage.
 
 Simplifications: the server restarts where its actor lives (a lost node is not replaced); a
@@ -54,18 +62,31 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from trident.cluster.placement import Plan
 from trident.cluster.ray_cluster import out_of_memory
 from trident.pipeline.gate import WeightGate
+from trident.rollout import membership
 from trident.rollout.engine import VLLMClient
 from trident.rollout.router import Router
 from trident.rollout.vllm_server import log_tail
 from trident.telemetry.trace import Trace
 from trident.train.group import TrainerRankError
+
+
+@dataclass
+class Elastic:
+    """Servers joining and leaving the run (module docstring, 5.)."""
+
+    run_dir: Path  # whose ``fleet/`` joiners and leavers write to
+    client: Callable[[str], VLLMClient]  # a client for a joiner's url
+    min_servers: int = 0  # rollout.min_servers
+    max_servers: int = 0  # rollout.max_servers (0: any)
 
 
 class ServerDiedError(RuntimeError):
@@ -122,25 +143,38 @@ class ServerRecovery:
         router: Router,
         gate: WeightGate,
         trainer: Rejoiner,
-        fleet: ServerRestarter,
+        fleet: ServerRestarter | None,
         max_restarts: int,
         health_check_s: float,
         trace: Trace | None = None,
         clock: Callable[[], float] = time.monotonic,
         liveness_timeout_s: float = 0.0,
+        elastic: Elastic | None = None,
     ) -> None:
+        """``fleet``: what restarts the servers this run started (None: it started none);
+        ``elastic``: where joiners ask, and the fleet's bounds (None: no joining)."""
         self.router, self.gate, self.trainer, self.fleet = router, gate, trainer, fleet
         self.trace = trace or Trace()  # a recovery is a span (``restart``) the watchdog can name
         self.max_restarts, self.health_check_s, self.clock = max_restarts, health_check_s, clock
         self.liveness_timeout_s = liveness_timeout_s
-        self.restarts = [0] * len(router.clients)
+        self.elastic = elastic
+        self.owned = len(router.clients) if fleet is not None else 0  # servers we can restart
+        self.restarts: Counter[int] = Counter()
         self.last_recovery_s: float | None = None  # detected -> back in, the latest recovery
         self._tasks: set[asyncio.Task] = set()
+        self._asked: set[Path] = set()  # join and leave requests being answered
         router.on_down = self.down
+        router.min_up = max(1, elastic.min_servers if elastic else 0)
 
     def down(self, i: int) -> None:
         """``Router.on_down``: server ``i`` was taken out; restart it (or give up)."""
         url = self.router.clients[i].url
+        if i >= self.owned:  # attached or joined: not ours to restart
+            self.router.retire(i)
+            print(f"rollout server {i} ({url}) is down: left out (this run did not start it)",
+                  file=sys.stderr)  # fmt: skip
+            self._short_of_servers()
+            return
         if self.restarts[i] >= self.max_restarts:
             self.router.give_up(ServerDiedError(self._too_often(i)))
             return
@@ -159,6 +193,7 @@ class ServerRecovery:
             await self._restart(i, detected)
 
     async def _restart(self, i: int, detected: float) -> None:
+        assert self.fleet is not None  # only the servers it started are restarted
         while True:
             try:
                 client = await self.fleet.restart(i)
@@ -199,15 +234,99 @@ class ServerRecovery:
             file=sys.stderr,
         )
 
+    def _short_of_servers(self) -> None:
+        """After a server left or was left out: wait for joiners, saying so, or stop the run."""
+        up, need = sum(self.router.up), self.router.min_up
+        if up >= need:
+            return
+        if self.elastic is None or self.elastic.min_servers == 0:
+            if not up:
+                self.router.give_up(
+                    ServerDiedError(
+                        "no rollout server is up, and none can be restarted (with "
+                        "rollout.min_servers=1 the run would wait for `trident rollout serve "
+                        "--join RUN_DIR`)"
+                    )
+                )
+            return
+        print(
+            f"waiting for rollout servers: {up} up, rollout.min_servers={need}; join one with "
+            f"`trident rollout serve --join {self.elastic.run_dir}`",
+            file=sys.stderr,
+            flush=True,
+        )
+
     async def watch(self) -> None:
-        """The periodic checks, until cancelled: health and liveness."""
-        await asyncio.gather(self._health(), self._liveness())
+        """The periodic checks, until cancelled: health, liveness, joiners and leavers."""
+        await asyncio.gather(self._health(), self._liveness(), self._members())
+
+    async def _members(self) -> None:
+        """Every second: answer the servers asking to join or leave (module docstring, 5.)."""
+        if self.elastic is None:
+            return
+        self._short_of_servers()  # e.g. rollout.min_servers above the servers it started with
+        membership.open_fleet(self.elastic.run_dir)
+        while True:
+            for kind, url, request in membership.pending(self.elastic.run_dir):
+                if request in self._asked:
+                    continue
+                self._asked.add(request)
+                handle = self._join if kind == "join" else self._leave
+                task = asyncio.get_running_loop().create_task(handle(url, request))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            await asyncio.sleep(1.0)
+
+    async def _join(self, url: str, request: Path) -> None:
+        assert self.elastic is not None
+        t0 = self.clock()
+        cap = self.elastic.max_servers
+        if cap and sum(self.router.up) >= cap:
+            membership.answer(request, "refused", reason=f"rollout.max_servers={cap} are up")
+            return
+        client = self.elastic.client(url)
+        try:
+            async with self.gate.exclusive():  # no weight update between rejoin and routing
+                await self.trainer.rejoin(url)
+                i = self.router.add(client)
+                version = self.gate.version
+        except Exception as e:
+            await client.aclose()
+            membership.answer(request, "refused", reason=f"{type(e).__name__}: {e}")
+            if isinstance(e, TrainerRankError):
+                self.router.give_up(e)
+            return
+        seconds = self.clock() - t0
+        membership.answer(request, "joined", index=i, version=version, seconds=seconds)
+        print(
+            f"rollout server {i} ({url}) joined at weight version {version} in {seconds:.1f} s",
+            file=sys.stderr,
+        )
+
+    async def _leave(self, url: str, request: Path) -> None:
+        t0 = self.clock()
+        here = [i for i, c in enumerate(self.router.clients) if c.url == url.rstrip("/")]
+        i = here[-1] if here else None
+        if i is not None and i not in self.router.retired:
+            self.router.retire(i)
+            client = self.router.clients[i]
+            pending = client.outstanding
+            while client.outstanding:  # its requests in flight finish where they are
+                await asyncio.sleep(0.1)
+            seconds = self.clock() - t0
+            print(
+                f"rollout server {i} ({url}) left after {seconds:.1f} s "
+                f"({pending} requests in flight finished)",
+                file=sys.stderr,
+            )
+            self._short_of_servers()
+        membership.answer(request, "left", seconds=self.clock() - t0)
 
     async def _health(self) -> None:
         """Every ``rollout.health_check_s``: take out a server that failed two checks in a row."""
         if self.health_check_s <= 0:
             return
-        misses = [0] * len(self.router.clients)
+        misses: Counter[int] = Counter()
         while True:
             await asyncio.sleep(self.health_check_s)
             for i, client in enumerate(list(self.router.clients)):
@@ -223,10 +342,12 @@ class ServerRecovery:
         progress for that long with requests of ours pending (``Liveness``)."""
         if self.liveness_timeout_s <= 0:
             return
-        rules = [Liveness() for _ in self.router.clients]
+        rules: dict[int, Liveness] = {}
         while True:
             await asyncio.sleep(self.liveness_timeout_s / 5)
-            await asyncio.gather(*(self._judge(i, rule) for i, rule in enumerate(rules)))
+            for i in range(len(self.router.clients)):
+                rules.setdefault(i, Liveness())
+            await asyncio.gather(*(self._judge(i, rule) for i, rule in rules.items()))
 
     async def _judge(self, i: int, rule: Liveness) -> None:
         """One liveness check of server ``i``: take it out if ``rule`` finds it frozen."""
@@ -246,7 +367,10 @@ class ServerRecovery:
             self.router.take_out(i)
 
     def metrics(self) -> dict[str, float]:
-        out = {"rollout/restarts": float(sum(self.restarts))}
+        out = {
+            "rollout/restarts": float(sum(self.restarts.values())),
+            "rollout/servers": float(sum(self.router.up)),
+        }
         if self.last_recovery_s is not None:
             out["rollout/recovery_s"] = self.last_recovery_s
         return out
@@ -259,9 +383,13 @@ class ServerRecovery:
         )
 
     def _log(self, i: int) -> str:
+        if self.fleet is None:
+            return "its log is where it was started"
         return f"its log ({self.fleet.log_path(i)}) ends:\n{log_tail(self.fleet.log_path(i))}"
 
     async def close(self) -> None:
+        if self.elastic is not None:
+            membership.close_fleet(self.elastic.run_dir)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

@@ -8,8 +8,12 @@ server went down moves to another one).
 A server is taken out (``failed``) when a request to it fails and its ``/health`` does not
 answer, or when the periodic health check finds it down; ``on_down(i)`` is then called (the run's
 ``ServerRecovery`` restarts it) and ``bring_in(i, client)`` puts it back once it holds the served
-weights. While every server is out, ``available()`` waits; it raises ``fatal`` once recovery has
-given up.
+weights. While fewer than ``min_up`` servers are up, ``available()`` waits; it raises ``fatal``
+once recovery has given up.
+
+The fleet is elastic (``trident.rollout.membership``): ``add`` routes to a server that joined
+(once it holds the served weights) and ``retire`` stops sending new requests to one that leaves,
+whose requests in flight finish where they are.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class Router:
             raise ValueError("the router needs at least one server")
         self.clients = clients
         self.up = [True] * len(clients)
+        self.retired: set[int] = set()  # servers that left: never routed to again
+        self.min_up = 1  # available() waits for this many servers up (rollout.min_servers)
         self.on_down: Callable[[int], None] | None = None
         self.fatal: BaseException | None = None  # set when a server cannot be brought back
         self._sessions: dict[str, VLLMClient] = {}
@@ -72,7 +78,7 @@ class Router:
         while True:
             if self.fatal is not None:
                 raise self.fatal
-            if any(self.up):
+            if sum(self.up) >= self.min_up:
                 return
             if self._changed is None:
                 self._changed = asyncio.Event()
@@ -124,6 +130,21 @@ class Router:
             self.on_down(i)
         else:  # nothing restarts servers here: a dead one ends what depends on it
             self.give_up(EngineError(f"rollout server {i} ({gone.url}) is down"))
+        self._notify()
+
+    def add(self, client: VLLMClient) -> int:
+        """Route to ``client`` (a server that joined, holding the served weights); its index."""
+        self.clients.append(client)
+        self.up.append(True)
+        self._notify()
+        return len(self.clients) - 1
+
+    def retire(self, i: int) -> None:
+        """Send server ``i`` nothing new, for good (it leaves); what it has in flight goes on."""
+        self.retired.add(i)
+        self.up[i] = False
+        gone = self.clients[i]
+        self._sessions = {k: c for k, c in self._sessions.items() if c is not gone}
         self._notify()
 
     def bring_in(self, i: int, client: VLLMClient) -> None:

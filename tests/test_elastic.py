@@ -1,0 +1,123 @@
+"""An elastic rollout fleet (``trident.rollout.membership``, ``ServerRecovery.members``): servers
+join a running job (routed to only after a verified sync), leave it (their requests in flight
+finish), and die out of it (their work resubmitted elsewhere); below ``rollout.min_servers`` the
+run waits for a joiner, saying so. One streaming run goes through all of it, with real vLLM
+servers (``trident rollout serve``) and nothing lost."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from tests.conftest import REPO, Run, tagged_env, wait_gone
+from trident.telemetry.lineage import read_samples
+from trident.telemetry.metrics import read_metrics
+
+STEPS, PROMPTS, N = 8, 4, 2
+
+
+def _serve(model: str, out: Path, tag: str, *extra: str) -> tuple[Run, str]:
+    """``trident rollout serve`` (``extra``: e.g. ``--join RUN_DIR``) and its url, once up."""
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "trident.cli", "rollout", "serve", f"model.path={model}",
+           f"run.dir={out}", "run.name=server", *extra]  # fmt: skip
+    server = Run(cmd, tag, out)
+    server.wait_for(lambda: "serving at " in server.output)
+    match = re.search(r"serving at (\S+?)[:,]? ", server.output)
+    assert match, server.output[-3000:]
+    return server, match.group(1)
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _rollout(cmd: str, url: str, run_dir: Path, tag: str) -> str:
+    """``trident rollout join|leave URL RUN_DIR``; its output."""
+    r = subprocess.run(
+        [sys.executable, "-m", "trident.cli", "rollout", cmd, url, str(run_dir)],
+        env=tagged_env(tag), capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_servers_join_die_and_leave_a_running_job_and_nothing_is_lost(tiny_model, tmp_path):
+    """A and B are up; the run starts on A with ``rollout.min_servers=1``. After step 1, B joins
+    (``trident rollout join``); after the next step A is killed (SIGTERM, mid-generation: its
+    requests are resubmitted to B from their prefixes) and left out; after the next, B leaves
+    (``trident rollout leave``: its requests in flight finish first). With no server up the run
+    waits and says so, until C (``trident rollout serve --join``) joins; it finishes on C.
+
+    Each joiner's samples come only after its verified sync; every drawn prompt is trained
+    exactly once; staleness stays within η; every sync is verified; the fleet size is logged."""
+    tag = uuid.uuid4().hex
+    a, url_a = _serve(tiny_model, tmp_path / "a", tag)
+    b, url_b = _serve(tiny_model, tmp_path / "b", tag)
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "trident.cli", "train", f"model.path={tiny_model}",
+        f"run.dir={tmp_path}", "run.name=run", f"rollout.server_urls=[{url_a}]",
+        "rollout.min_servers=1", "pipeline.mode=separate_async", "pipeline.max_staleness=1",
+        f"pipeline.steps={STEPS}", f"pipeline.prompts_per_step={PROMPTS}", f"rollout.n={N}",
+        "rollout.max_tokens=128", "eval.before_after=false", "telemetry.progress=false",
+        "telemetry.tensorboard=false", "checkpoint.every=0",
+    ]  # fmt: skip
+    (tmp_path / "run").mkdir()
+    run = Run(cmd, tag, tmp_path)  # its output: tmp_path/output.txt
+    c = None
+    try:
+        run.wait_for(lambda: _steps_done(run_dir) >= 1)
+        joined = _rollout("join", url_b, run_dir, tag)
+        assert f"{url_b} joined" in joined
+        at_join = _steps_done(run_dir)
+        run.wait_for(lambda: _steps_done(run_dir) >= at_join + 1)
+        a.proc.send_signal(signal.SIGTERM)  # mid-generation: streaming never stops
+        run.wait_for(lambda: f"({url_a}) is down: left out" in run.output)
+        at_kill = _steps_done(run_dir)
+        run.wait_for(lambda: _steps_done(run_dir) >= at_kill + 1)
+        assert "left" in _rollout("leave", url_b, run_dir, tag)
+        run.wait_for(
+            lambda: "waiting for rollout servers: 0 up, rollout.min_servers=1" in run.output
+        )
+        before_c = _steps_done(run_dir)
+        t0 = time.monotonic()
+        c, url_c = _serve(tiny_model, tmp_path / "c", tag, "--join", str(run_dir))
+        assert f"joined {run_dir}" in c.output
+        print(f"serve --join: command -> routed to in {time.monotonic() - t0:.1f} s")
+        output = run.finish()
+        assert run.proc.returncode == 0, output[-3000:]
+    finally:
+        run.finish()
+        for server in (a, b, c):
+            if server is not None and server.proc.poll() is None:
+                server.proc.send_signal(signal.SIGTERM)
+                server.finish(timeout=120)
+    assert c is not None and c.proc.returncode == 143, c.output[-2000:]  # the run had ended
+    assert wait_gone(tag) == set()
+
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert all(m["sync/max_abs_dlogp"] <= 2e-3 for m in metrics)  # every sync verified
+    assert all(m["staleness/max"] <= 1 for m in metrics)
+    assert max(m["rollout/servers"] for m in metrics) == 2  # A and B
+    rows = read_samples(run_dir)
+    trained = [r["sample_id"] for r in rows if r["trained"]]
+    assert len(trained) == len(set(trained)) == STEPS * PROMPTS * N  # none lost, none twice
+    by_server = {url: [r for r in rows if r["server"] == url] for url in (url_a, url_b, url_c)}
+    assert all(by_server.values())  # each served some
+    # a joiner's samples end with versions pushed to it after it joined, each verified
+    assert min(r["version_max"] for r in by_server[url_b]) >= at_join - 1
+    assert min(r["version_max"] for r in by_server[url_c]) >= before_c
+    last = metrics[-1]
+    for unit in ("samples", "tokens"):
+        assert (
+            last[f"ledger/run/generated_{unit}"]
+            == last[f"ledger/run/trained_{unit}"] + last[f"ledger/run/waiting_{unit}"]
+        ), unit
