@@ -246,6 +246,51 @@ def cmd_rollout_leave(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollout_parser(sub) -> None:
+    """``trident rollout serve|join|leave``."""
+    rollout = sub.add_parser(
+        "rollout", help="rollout servers", description="Rollout servers runs can attach to."
+    )
+    rollout_sub = rollout.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
+    p = _job_parser(
+        rollout_sub,
+        "serve",
+        "start one vLLM server that runs attach to (rollout.server_urls)",
+        "Start a vLLM server for model.path with trident's weight transfer (the options of the "
+        "servers trident train starts: rollout.*, sync.backend) on rollout.base_port, and keep it "
+        "up until Ctrl-C or SIGTERM. A run with rollout.server_urls=[URL] syncs and verifies it "
+        "like its own and leaves it running.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument(
+        "--join",
+        metavar="RUN_DIR",
+        help="join the job running in RUN_DIR (its model and settings; the overrides apply on top): "
+        "the run brings this server to its weights, verified, then routes to it; SIGTERM leaves "
+        "the job once the server's requests in flight are done, then stops the server",
+    )
+    p.set_defaults(func=cmd_rollout_serve)
+    p = rollout_sub.add_parser(
+        "join",
+        help="add a running server to a running job",
+        description="Ask the job running in RUN_DIR to bring the server at URL (a `trident "
+        "rollout serve` of the job's model) to the job's weights, verified, and route to it.",
+    )
+    p.add_argument("url", help="the server's url")
+    p.add_argument("run_dir", help="the job's run directory")
+    p.set_defaults(func=cmd_rollout_join)
+    p = rollout_sub.add_parser(
+        "leave",
+        help="take a server out of a running job",
+        description="Ask the job running in RUN_DIR to send URL nothing new and wait until its "
+        "requests in flight are done (any server of the job: started, attached or joined). "
+        "The server itself is left running.",
+    )
+    p.add_argument("url", help="the server's url")
+    p.add_argument("run_dir", help="the job's run directory")
+    p.set_defaults(func=cmd_rollout_leave)
+
+
 def _model_parser(sub) -> None:
     """``trident model init``."""
     model = sub.add_parser(
@@ -327,48 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_train)
 
-    rollout = sub.add_parser(
-        "rollout", help="rollout servers", description="Rollout servers runs can attach to."
-    )
-    rollout_sub = rollout.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
-    p = _job_parser(
-        rollout_sub,
-        "serve",
-        "start one vLLM server that runs attach to (rollout.server_urls)",
-        "Start a vLLM server for model.path with trident's weight transfer (the options of the "
-        "servers trident train starts: rollout.*, sync.backend) on rollout.base_port, and keep it "
-        "up until Ctrl-C or SIGTERM. A run with rollout.server_urls=[URL] syncs and verifies it "
-        "like its own and leaves it running.",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument(
-        "--join",
-        metavar="RUN_DIR",
-        help="join the job running in RUN_DIR (its model and settings; the overrides apply on top): "
-        "the run brings this server to its weights, verified, then routes to it; SIGTERM leaves "
-        "the job once the server's requests in flight are done, then stops the server",
-    )
-    p.set_defaults(func=cmd_rollout_serve)
-    p = rollout_sub.add_parser(
-        "join",
-        help="add a running server to a running job",
-        description="Ask the job running in RUN_DIR to bring the server at URL (a `trident "
-        "rollout serve` of the job's model) to the job's weights, verified, and route to it.",
-    )
-    p.add_argument("url", help="the server's url")
-    p.add_argument("run_dir", help="the job's run directory")
-    p.set_defaults(func=cmd_rollout_join)
-    p = rollout_sub.add_parser(
-        "leave",
-        help="take a server out of a running job",
-        description="Ask the job running in RUN_DIR to send URL nothing new and wait until its "
-        "requests in flight are done (any server of the job: started, attached or joined). "
-        "The server itself is left running.",
-    )
-    p.add_argument("url", help="the server's url")
-    p.add_argument("run_dir", help="the job's run directory")
-    p.set_defaults(func=cmd_rollout_leave)
-
+    _rollout_parser(sub)
     for register in _plugins():
         register(sub)
     return parser
