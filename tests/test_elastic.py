@@ -38,19 +38,20 @@ def _steps_done(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _rollout(cmd: str, url: str, run_dir: Path, tag: str) -> str:
-    """``trident rollout join|leave URL RUN_DIR``; its output."""
+def _rollout(cmd: str, url: str, run_dir: Path, tag: str, code: int = 0) -> str:
+    """``trident rollout join|leave URL RUN_DIR`` (exiting with ``code``); its output."""
     r = subprocess.run(
         [sys.executable, "-m", "trident.cli", "rollout", cmd, url, str(run_dir)],
         env=tagged_env(tag), capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
+    assert r.returncode == code, r.stdout + r.stderr
+    return r.stdout + r.stderr
 
 
 def test_servers_join_die_and_leave_a_running_job_and_nothing_is_lost(tiny_model, tmp_path):
     """A and B are up; the run starts on A with ``rollout.min_servers=1``. After step 1, B joins
-    (``trident rollout join``); after the next step A is killed (SIGTERM, mid-generation: its
+    (``trident rollout join``; a second join is refused: ``rollout.max_servers=2``); after the
+    next step A is killed (SIGTERM, mid-generation: its
     requests are resubmitted to B from their prefixes) and left out; after the next, B leaves
     (``trident rollout leave``: its requests in flight finish first). With no server up the run
     waits and says so, until C (``trident rollout serve --join``) joins; it finishes on C.
@@ -64,7 +65,7 @@ def test_servers_join_die_and_leave_a_running_job_and_nothing_is_lost(tiny_model
     cmd = [
         sys.executable, "-m", "trident.cli", "train", f"model.path={tiny_model}",
         f"run.dir={tmp_path}", "run.name=run", f"rollout.server_urls=[{url_a}]",
-        "rollout.min_servers=1", "pipeline.mode=separate_async", "pipeline.max_staleness=1",
+        "rollout.min_servers=1", "rollout.max_servers=2", "pipeline.mode=separate_async", "pipeline.max_staleness=1",
         f"pipeline.steps={STEPS}", f"pipeline.prompts_per_step={PROMPTS}", f"rollout.n={N}",
         "rollout.max_tokens=128", "eval.before_after=false", "telemetry.progress=false",
         "telemetry.tensorboard=false", "checkpoint.every=0",
@@ -76,6 +77,10 @@ def test_servers_join_die_and_leave_a_running_job_and_nothing_is_lost(tiny_model
         run.wait_for(lambda: _steps_done(run_dir) >= 1)
         joined = _rollout("join", url_b, run_dir, tag)
         assert f"{url_b} joined" in joined
+        assert "in 0.0 s" in _rollout("join", url_b, run_dir, tag)  # routed to already
+        third = "http://127.0.0.1:9"  # refused before anything is asked of it
+        refused = _rollout("join", third, run_dir, tag, code=2)
+        assert f"refused {third}: rollout.max_servers=2 are up" in refused
         at_join = _steps_done(run_dir)
         run.wait_for(lambda: _steps_done(run_dir) >= at_join + 1)
         a.proc.send_signal(signal.SIGTERM)  # mid-generation: streaming never stops

@@ -188,17 +188,8 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
         if run_dir is None:
             print(f"serving at {url}: attach with 'rollout.server_urls=[{url}]'", flush=True)
         else:
-            kind, answer = membership.wait_answer(
-                membership.ask(run_dir, "join", url), cfg.rollout.startup_timeout_s
-            )
-            if kind == "refused":
-                print(f"error: {run_dir} refused {url}: {answer['reason']}", file=sys.stderr)
-                return 2
-            print(
-                f"serving at {url}: joined {run_dir} at weight version {answer['version']} "
-                f"in {answer['seconds']:.1f} s",
-                flush=True,
-            )
+            joined = membership.join(run_dir, url, cfg.rollout.startup_timeout_s)
+            print(f"serving at {url}: {joined}", flush=True)
         assert server.proc is not None  # started
         try:
             code = server.proc.wait()  # Ctrl-C / SIGTERM raise out of the wait
@@ -222,16 +213,7 @@ def cmd_rollout_join(args: argparse.Namespace) -> int:
     ``trident rollout serve``) to its weights and route to it."""
     from trident.rollout import membership
 
-    request = membership.ask(args.run_dir, "join", args.url)
-    kind, answer = membership.wait_answer(request, LEAVE_TIMEOUT_S)
-    if kind == "refused":
-        print(f"error: {args.run_dir} refused {args.url}: {answer['reason']}", file=sys.stderr)
-        return 2
-    print(
-        f"{args.url} joined {args.run_dir} at weight version {answer['version']} in "
-        f"{answer['seconds']:.1f} s",
-        flush=True,
-    )
+    print(membership.join(args.run_dir, args.url, LEAVE_TIMEOUT_S), flush=True)
     return 0
 
 
@@ -404,6 +386,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from trident.pipeline.recovery import ServerDiedError
     from trident.pipeline.watchdog import HangError
     from trident.rollout.engine import EngineError
+    from trident.rollout.membership import JoinRefused
     from trident.rollout.vllm_server import ServerStartError
     from trident.train.group import TrainerRankError, TrainerStartError
     from trident.weights.sync import WeightSyncError
@@ -411,6 +394,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     return (
         ConfigError,
         DataError,
+        JoinRefused,
         ModelPathError,
         ServerStartError,
         PortInUseError,

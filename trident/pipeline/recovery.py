@@ -280,6 +280,13 @@ class ServerRecovery:
     async def _join(self, url: str, request: Path) -> None:
         assert self.elastic is not None
         t0 = self.clock()
+        url = url.rstrip("/")
+        here = [i for i, c in enumerate(self.router.clients) if c.url == url and self.router.up[i]]
+        if here:  # already routed to
+            membership.answer(
+                request, "joined", index=here[0], version=self.gate.version, seconds=0.0
+            )
+            return
         cap = self.elastic.max_servers
         if cap and sum(self.router.up) >= cap:
             membership.answer(request, "refused", reason=f"rollout.max_servers={cap} are up")

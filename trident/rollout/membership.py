@@ -64,6 +64,20 @@ def wait_answer(request: Path, timeout_s: float, poll_s: float = 0.2) -> tuple[s
     raise TimeoutError(f"no answer to {request} within {timeout_s:.0f} s: is the run going?")
 
 
+class JoinRefused(RuntimeError):
+    """The run refused a joiner (``rollout.max_servers``, a failed sync) or has ended."""
+
+
+def join(run_dir: str | Path, url: str, timeout_s: float) -> str:
+    """Ask the run in ``run_dir`` to take the server at ``url`` and wait for it: the line saying
+    so. Raises ``JoinRefused`` with the run's reason."""
+    kind, answer = wait_answer(ask(run_dir, "join", url), timeout_s)
+    if kind == "refused":
+        raise JoinRefused(f"{run_dir} refused {url}: {answer['reason']}")
+    version, seconds = answer["version"], answer["seconds"]
+    return f"{url} joined {run_dir} at weight version {version} in {seconds:.1f} s"
+
+
 def open_fleet(run_dir: str | Path) -> None:
     """The driver, as it starts reading requests (a resumed run: again)."""
     fleet_dir(run_dir).mkdir(parents=True, exist_ok=True)
