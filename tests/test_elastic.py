@@ -2,7 +2,8 @@
 join a running job (routed to only after a verified sync), leave it (their requests in flight
 finish), and die out of it (their work resubmitted elsewhere); below ``rollout.min_servers`` the
 run waits for a joiner, saying so. One streaming run goes through all of it, with real vLLM
-servers (``trident rollout serve``) and nothing lost."""
+servers (``trident rollout serve``) and nothing lost. And the servers' prefix caches across a
+weight install: nothing computed by the old weights is reused, what the new ones compute is."""
 
 from __future__ import annotations
 
@@ -126,3 +127,58 @@ def test_servers_join_die_and_leave_a_running_job_and_nothing_is_lost(tiny_model
             last[f"ledger/run/generated_{unit}"]
             == last[f"ledger/run/trained_{unit}"] + last[f"ledger/run/waiting_{unit}"]
         ), unit
+
+
+def _prefix_hits(url: str) -> float:
+    """The server's prefix-cache hits so far, in tokens (``vllm:prefix_cache_hits_total``)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.split("{", 1)[0] == "vllm:prefix_cache_hits_total"
+    )
+
+
+def test_an_install_keeps_old_prefixes_from_new_requests_and_same_version_ones_reused(
+    demo_server,
+):
+    """A weight install (``WeightGate.update``, as every sync runs it) resets the servers' prefix
+    caches: a prompt seen under the old weights is computed again (no hit), and from then on it
+    is reused under the new ones (hits), on the session's real vLLM server."""
+    import asyncio
+
+    from trident.pipeline.gate import WeightGate
+    from trident.rollout.engine import SamplingParams, VLLMClient
+    from trident.rollout.router import Router
+
+    async def scenario() -> list[float]:
+        router = Router([VLLMClient(demo_server)])
+        gate = WeightGate(router)
+        prompt = [10 + i % 400 for i in range(300)]  # whole KV blocks of 16 (GPU) or 128 (CPU)
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        hits = [_prefix_hits(demo_server)]
+
+        async def ask() -> None:
+            await router.generate(prompt, params)
+            await asyncio.sleep(1.5)  # the engine's stats reach /metrics with its next log
+            hits.append(_prefix_hits(demo_server))
+
+        await ask()  # computed (or hit from an earlier test: not counted below)
+        await ask()  # same version: reused
+
+        async def push(urls: list[str]) -> dict[str, float]:
+            return {}  # the weights are not the point: the install's cache reset is
+
+        await gate.update(gate.version + 1, push)
+        await ask()  # new version: computed again
+        await ask()  # and reused
+        await router.aclose()
+        return hits
+
+    hits = asyncio.run(scenario())
+    gains = [b - a for a, b in zip(hits, hits[1:], strict=False)]
+    assert gains[1] > 0, hits  # same-version prefix reused
+    assert gains[2] == 0, hits  # an old version's blocks are never hit after the install
+    assert gains[3] > 0, hits  # the new version's are
