@@ -178,6 +178,7 @@ def test_an_install_keeps_old_prefixes_from_new_requests_and_same_version_ones_r
         return hits
 
     hits = asyncio.run(scenario())
+    print(f"prefix-cache hits (tokens) after each request: {hits}")
     gains = [b - a for a, b in zip(hits, hits[1:], strict=False)]
     assert gains[1] > 0, hits  # same-version prefix reused
     assert gains[2] == 0, hits  # an old version's blocks are never hit after the install
