@@ -1,18 +1,23 @@
 """trident against TRL's ``GRPOTrainer`` on the same recipe, side by side in one run.
 
     make bench-trl        # = pip install -e '.[bench]' (TRL) + python benchmarks/vs_trl.py
-    python benchmarks/vs_trl.py [--recipe demo|long|both] [--model SFT_DIR] [--target 0.9]
+    python benchmarks/vs_trl.py [--recipe demo|long|compute|all] [--model SFT_DIR] [--target 0.9]
 
 Both sides start from the same checkpoint and train on the same recipe, ``configs/demo.yaml``:
 32 prompts × 8 samples per RL step at temperature 1, reward = the task's verifier + 0.5 × the
-format reward, lr 3e-4 (constant after warm-up), 2 optimizer steps per batch, no KL, the same
-token-mean PPO-clip loss (TRL's ``loss_type="dapo"``), group-normalised advantages. Two recipes:
+format reward, lr 3e-4 on trident's schedule (``trainer.warmup_steps`` and ``lr_schedule`` per
+RL step; TRL's optimizer is set to the same rate at each step), 2 optimizer steps per batch, no
+KL, the same token-mean PPO-clip loss (TRL's ``loss_type="dapo"``), group-normalised
+advantages. Three recipes:
 
 - ``demo``: 30 steps of the demo, at most 12 new tokens, from the demo's SFT warm-up (built here
   unless ``--model`` names one); held-out accuracy is measured.
 - ``long``: generation dominates. The demo's warm-up is fine-tuned further to write a scratch
   line of random digits before its answer, of log-normal length (median 40 tokens, capped at
-  240), so responses have RL's long tail; up to 256 new tokens, 6 steps, timing only.
+  240), so responses have RL's long tail; up to 256 new tokens, 12 steps, timing only.
+- ``compute``: the RL compute is real. The ``small`` preset (~25 M parameters) as initialised,
+  whose responses all run to their 32-token cap, 16 prompts × 8 samples a step, 12 steps,
+  timing only.
 
 TRL gets the prompts already rendered by trident's chat template (so the tokens are the same)
 and trident's own reward functions; on a CPU box it generates with HF ``generate`` (TRL's vLLM
@@ -23,10 +28,13 @@ each engine at 40% of the GPU's memory.
 
 Each side runs as its own process, timed from its launch:
 
-- **command → first step**: launch until the first RL step begins (imports, Ray, the vLLM
-  server and the trainer for trident; imports, model and dataset for TRL);
-- **s/step**: the median wall time between the ends of consecutive RL steps (everything in
-  the loop: generation, reward, training, weight sync, logging);
+- **command → first step**: from the ``Popen`` of its process until the first RL step begins
+  (interpreter, imports, Ray, the vLLM server and the trainer for trident; interpreter,
+  imports, model and dataset for TRL);
+- **s/step**: the wall time between the ends of consecutive RL steps (everything in the loop:
+  generation, reward, training, weight sync, logging, and the checkpoints saved for the
+  held-out evaluation on both sides), the mean after the first ``WARMUP`` steps (the median of
+  all beside it);
 - trident's per-stage breakdown (its ``time/*`` metrics, mean per step after the first
   ``WARMUP``): rollout (the step's wait for samples), train, weight sync (push + verify), and
   the rest of the loop; inside train, the logprob recompute, the optimizer steps and the rest
@@ -69,6 +77,7 @@ from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, pro
 from trident.rewards import format_reward
 from trident.telemetry.lineage import read_samples
 from trident.train.batch import micro_batches
+from trident.train.fsdp import cosine_lr
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -87,7 +96,12 @@ TRIDENT_GPU = [
 
 RECIPES: dict[str, dict[str, Any]] = {
     "demo": {"steps": 30, "overrides": [], "evaluate": True},
-    "long": {"steps": 6, "overrides": ["rollout.max_tokens=256"], "evaluate": False},
+    "long": {"steps": 12, "overrides": ["rollout.max_tokens=256"], "evaluate": False},
+    "compute": {
+        "steps": 12,
+        "overrides": ["rollout.max_tokens=32", "pipeline.prompts_per_step=16"],
+        "evaluate": False,
+    },
 }
 
 
@@ -105,6 +119,7 @@ def recipe(name: str) -> dict[str, Any]:
         "temperature": cfg.rollout.temperature,
         "lr": cfg.trainer.lr,
         "warmup_steps": cfg.trainer.warmup_steps,
+        "lr_schedule": cfg.trainer.lr_schedule,
         "mini_batches": cfg.trainer.mini_batches,
         "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
         "clip_eps": cfg.algo.clip_eps_low,
@@ -216,7 +231,7 @@ def run_trident(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
     }
     return {
         "first_step_s": first_start,
-        "step_s": statistics.median(periods),
+        **_step_times(periods),
         "step_ends": ends,
         "total_s": total,
         "response_tokens_mean": statistics.median(m["response_len_mean"] for m in rows),
@@ -303,8 +318,9 @@ def run_trl(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
     name = f"trl-{r['name']}"
     spec, out = work / f"{name}.recipe.json", work / f"{name}.json"
     spec.write_text(json.dumps(r))
+    launch = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
     cmd = [sys.executable, __file__, "--trl-worker", model, str(work), str(spec), str(out)]
-    launch = time.monotonic()
+    cmd.append(repr(launch))
     with (work / f"{name}.log").open("w") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
     if code != 0:
@@ -312,8 +328,8 @@ def run_trl(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
     return json.loads(out.read_text()) | {"total_s": time.monotonic() - launch}
 
 
-def trl_worker(model: str, work: Path, spec: Path, out: Path) -> None:
-    start = time.monotonic()
+def trl_worker(model: str, work: Path, spec: Path, out: Path, launch: float) -> None:
+    """TRL's ``GRPOTrainer`` on the recipe; ``launch``: when ``run_trl`` started this process."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -362,13 +378,12 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path) -> None:
         per_device_train_batch_size=per_rl_step // r["mini_batches"],
         steps_per_generation=r["mini_batches"], num_generations=r["n"], num_iterations=1,
         max_completion_length=r["max_tokens"], temperature=r["temperature"], top_p=1.0,
-        learning_rate=r["lr"], lr_scheduler_type="constant_with_warmup",
-        warmup_steps=r["warmup_steps"] * r["mini_batches"], weight_decay=0.0, adam_beta1=0.9,
+        learning_rate=r["lr"], lr_scheduler_type="constant", weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.999, max_grad_norm=1.0, beta=0.0, epsilon=r["clip_eps"],
         loss_type="dapo", scale_rewards="group", reward_weights=[weights["task"], weights["format"]],
         dataloader_num_workers=0, gradient_checkpointing=False, **device,
     )  # fmt: skip
-    timing: dict[str, Any] = {"step_ends": [], "generate_s": [], "lengths": [], "save_s": 0.0}
+    timing: dict[str, Any] = {"step_ends": [], "generate_s": [], "lengths": []}
 
     class Timed(GRPOTrainer):
         def _generate_and_score_completions(self, *args: Any, **kwargs: Any):
@@ -379,18 +394,23 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path) -> None:
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):  # noqa: ANN001
-            timing["first_step_s"] = time.monotonic() - start
+            timing["first_step_s"] = time.monotonic() - launch
             timing["t0"] = time.monotonic()
+
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+            # trident's schedule, per RL step: both mini-batches of a step at one rate
+            rl_step = state.global_step // r["mini_batches"]
+            scale = cosine_lr(rl_step, steps, r["warmup_steps"], r["lr_schedule"])
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = r["lr"] * scale
 
         def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
             if state.global_step % r["mini_batches"]:
                 return
-            now = time.monotonic()
             rl_step = state.global_step // r["mini_batches"]
-            timing["step_ends"].append(now - timing["t0"] - timing["save_s"])
             if r["evaluate"] and (rl_step % EVAL_EVERY == 0 or rl_step == steps):
-                trainer.save_model(str(saves / f"step_{rl_step}"))
-                timing["save_s"] += time.monotonic() - now  # saves are not training time
+                trainer.save_model(str(saves / f"step_{rl_step}"))  # in the step, as trident's
+            timing["step_ends"].append(time.monotonic() - timing["t0"])
 
         def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
             if logs and "completions/mean_length" in logs:
@@ -406,7 +426,7 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path) -> None:
     generate = timing["generate_s"][WARMUP:]  # one per RL step
     result = {
         "first_step_s": timing["first_step_s"],
-        "step_s": statistics.median(periods),
+        **_step_times(periods),
         "step_ends": ends,
         "stages": {
             "generation + scoring": statistics.mean(generate),
@@ -424,6 +444,14 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path) -> None:
 def _periods(ends: list[float]) -> list[float]:
     """Each step's wall time, from the step ends (seconds after the first step's start)."""
     return [ends[0], *(b - a for a, b in itertools.pairwise(ends))]
+
+
+def _step_times(periods: list[float]) -> dict[str, float]:
+    """The headline (mean per RL step after the first ``WARMUP``) and the median of all."""
+    return {
+        "step_s": statistics.mean(periods[WARMUP:]),
+        "step_median_s": statistics.median(periods),
+    }
 
 
 def _eval_steps(steps: int) -> list[int]:
@@ -446,6 +474,16 @@ def warmed_up_model(work: Path) -> str:
             check=True, cwd=REPO,
         )  # fmt: skip
     return str(sft)
+
+
+def small_model(work: Path) -> str:
+    """The ``small`` preset (~25 M parameters) with its initial weights: its responses run to
+    the recipe's cap (the reward is 0 throughout; the recipe is for timing)."""
+    path = work / "small-init"
+    if not (path / "model.safetensors").exists():
+        init = [sys.executable, "-m", "trident.cli", "model", "init", "--preset", "small"]
+        subprocess.run([*init, str(path)], check=True, cwd=REPO)
+    return str(path)
 
 
 def long_warmed_up_model(work: Path, demo_sft: str) -> str:
@@ -476,10 +514,10 @@ def long_warmed_up_model(work: Path, demo_sft: str) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
-        model, work, spec, out = sys.argv[2:6]
-        return trl_worker(model, Path(work), Path(spec), Path(out))
+        model, work, spec, out, launch = sys.argv[2:7]
+        return trl_worker(model, Path(work), Path(spec), Path(out), float(launch))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--recipe", choices=[*RECIPES, "both"], default="both")
+    ap.add_argument("--recipe", choices=[*RECIPES, "all"], default="all")
     ap.add_argument("--model", help="the demo's SFT checkpoint (default: built here)")
     ap.add_argument("--target", type=float, default=0.9, help="held-out accuracy to reach")
     ap.add_argument("--work", default=str(REPO / "runs" / "bench-vs-trl"))
@@ -488,9 +526,13 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     demo_sft = args.model or warmed_up_model(work)
     results = []
-    for name in RECIPES if args.recipe == "both" else [args.recipe]:
+    for name in RECIPES if args.recipe == "all" else [args.recipe]:
         r = recipe(name)
-        model = demo_sft if name == "demo" else long_warmed_up_model(work, demo_sft)
+        model = {
+            "demo": lambda: demo_sft,
+            "long": lambda: long_warmed_up_model(work, demo_sft),
+            "compute": lambda: small_model(work),
+        }[name]()
         sides = {"trident": run_trident(model, work, r), "TRL": run_trl(model, work, r)}
         sides["trident"]["floor"] = train_floor(model, work / f"trident-{name}", r)
         res: dict[str, Any] = {"recipe": r, "model": model, "sides": sides}
@@ -536,14 +578,19 @@ def _markdown(res: dict[str, Any], result: dict[str, Any]) -> str:
         f"**{r['name']}** recipe: {r['steps']} steps × {r['prompts_per_step']} prompts × "
         f"{r['n']} samples, ≤ {r['max_tokens']} new tokens ({result['machine']})."
     )
-    cols = ["command → first step", "s / RL step (median)", "response tokens (mean)"]
+    cols = [
+        "command → first step",
+        f"s / RL step (mean after {WARMUP}; median)",
+        "response tokens (mean)",
+    ]
     if r["evaluate"]:
         head += f" Held-out greedy accuracy at the start: {res['start_accuracy']:.1%}."
         cols += [f"training time to {result['target']:.0%} held-out", "held-out at the end"]
     lines = [head, "", "| | " + " | ".join([*cols, "command → exit"]) + " |"]
     lines.append("|---|" + "---:|" * (len(cols) + 1))
     for name, s in sides.items():
-        row = [cell(s["first_step_s"]), f"{s['step_s']:.2f} s", f"{s['response_tokens_mean']:.1f}"]
+        step = f"{s['step_s']:.2f} s; {s['step_median_s']:.2f} s"
+        row = [cell(s["first_step_s"]), step, f"{s['response_tokens_mean']:.1f}"]
         if r["evaluate"]:
             row += [cell(s["time_to_target_s"]), f"{s['accuracy'][r['steps']]:.1%}"]
         lines.append(f"| {name} | " + " | ".join([*row, cell(s["total_s"])]) + " |")

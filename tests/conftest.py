@@ -345,14 +345,15 @@ class Run:
 
 
 @contextmanager
-def rollout_server(model: str, run_dir: Path, tag: str) -> Iterator[str]:
+def rollout_server(model: str, run_dir: Path, tag: str, nice: int = 0) -> Iterator[str]:
     """``trident rollout serve`` of ``model`` in its own (tagged) process, as a user starts one
     for attach mode; yields its URL, and stops it with SIGTERM on exit. Tests
     whose runs need nothing of a server of their own share one this way, which saves each run
-    the server's start-up (about 40 s on 2 cores)."""
+    the server's start-up (about 40 s on 2 cores). ``nice``: the server's scheduling niceness
+    (its vLLM processes inherit it)."""
     serve = [
-        sys.executable, "-m", "trident.cli", "rollout", "serve", f"model.path={model}",
-        f"run.dir={run_dir}", "run.name=server",
+        *(["nice", "-n", str(nice)] if nice else []), sys.executable, "-m", "trident.cli",
+        "rollout", "serve", f"model.path={model}", f"run.dir={run_dir}", "run.name=server",
     ]  # fmt: skip
     server = Run(serve, tag, run_dir)
     try:

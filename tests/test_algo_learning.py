@@ -15,7 +15,9 @@ budget. PPO with a critic and on-policy distillation (teacher: a better checkpoi
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import random
 import subprocess
 import sys
@@ -119,6 +121,75 @@ def test_fused_first_mini_batch_mismatch_equals_a_separate_recompute(make_worker
     metrics = worker.train_step(samples)
     mismatch = [m for _, m in metrics["per_sample"]]
     assert mismatch == pytest.approx(expected.tolist(), rel=1e-5, abs=1e-6)
+
+
+def _engine_says(samples, logp: torch.Tensor, shift: float = 0.0) -> None:
+    """Give each sample's loss tokens ``logp`` + ``shift`` as the engine's logprobs ([B, T-1]
+    grid: column t is token t+1, as ``collate`` aligns them)."""
+    for i, s in enumerate(samples):
+        for t in range(1, len(s.token_ids)):
+            if s.loss_mask[t]:
+                s.logprobs[t] = float(logp[i, t - 1]) + shift
+
+
+def test_engine_logprobs_as_pi_old(make_worker, tiny_model):
+    """``algo.old_logprobs=engine``: where the engine's logprobs are the trainer's (what a
+    verified sync gives, here by construction) the step equals the recomputing one (loss,
+    gradient norm, the weights after) with no policy recompute. Where they are off by a known
+    gap, the mismatch metrics still report it, measured on the first mini-batch before its
+    update (the other rows have no per-sample value)."""
+    from trident.train.batch import collate
+    from trident.weights.tensors import full_tensor
+
+    args = (f"model.path={tiny_model}", "trainer.mini_batches=2", "algo.is_level=token")
+    recomputing = make_worker(*args, "algo.old_logprobs=recompute")
+    samples = make_samples(recomputing.tokenizer, prompts=3, n=3, seed=2)
+    full = collate(samples, recomputing.tokenizer.pad_token_id)
+    old = recomputing._recompute(full, samples)["old"]
+    _engine_says(samples, old)
+    a = recomputing.train_step(samples)
+    engine = make_worker(*args, "algo.old_logprobs=engine")
+    b = engine.train_step(samples)
+    assert (a["old_logprobs_engine"], b["old_logprobs_engine"]) == (0.0, 1.0)
+    for key in ("loss", "grad_norm", "ratio_mean", "clip_fraction"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    for pa, pb in zip(recomputing.model.parameters(), engine.model.parameters(), strict=True):
+        torch.testing.assert_close(full_tensor(pb), full_tensor(pa), rtol=1e-5, atol=1e-7)
+    assert b["mismatch_abs_logp_diff_mean"] < 1e-5
+
+    gapped = make_worker(*args, "algo.old_logprobs=engine")
+    _engine_says(samples, old, shift=0.05)
+    c = gapped.train_step(samples)
+    assert c["mismatch_abs_logp_diff_mean"] == pytest.approx(0.05, abs=1e-4)
+    assert c["mismatch_abs_logp_diff_max"] == pytest.approx(0.05, abs=1e-4)
+    per_sample = [m for _, m in c["per_sample"]]
+    first = set(range(0, len(samples), 2))  # mini-batch k is samples[k::2]
+    assert all(m == pytest.approx(0.05, abs=1e-4) for i, m in enumerate(per_sample) if i in first)
+    assert all(math.isnan(m) for i, m in enumerate(per_sample) if i not in first)
+
+
+def test_auto_takes_the_engines_logprobs_only_on_policy(make_worker, tiny_model):
+    """``algo.old_logprobs=auto``: the engine's logprobs stand for pi_old only while the trainer
+    holds the weights that sampled every loss token (pushed, and not updated since) in float32
+    with no top-p truncation; otherwise the trainer recomputes."""
+    from trident.train.policy import engine_logprobs_are_old
+
+    worker = make_worker(f"model.path={tiny_model}")
+    samples = make_samples(worker.tokenizer, prompts=2, n=2)  # sampled by version 0
+    assert not engine_logprobs_are_old(worker.cfg, samples, None)  # nothing pushed yet
+    assert engine_logprobs_are_old(worker.cfg, samples, 0)
+    stale = [copy.deepcopy(s) for s in samples]
+    stale[0].versions[-1] = 1  # one token by another version: a stale batch
+    assert not engine_logprobs_are_old(worker.cfg, stale, 1)
+    assert not engine_logprobs_are_old(worker.cfg, stale, 0)
+    worker.served_version = 0  # what sync_weights(0) records
+    assert worker.train_step(samples)["old_logprobs_engine"] == 1.0
+    assert worker.served_version is None  # the weights moved on: no longer version 0
+    for override in ("model.dtype=bfloat16", "rollout.top_p=0.9", "sync.verify=false"):
+        cfg = load_config([], [*BASE, f"model.path={tiny_model}", override])
+        assert not engine_logprobs_are_old(cfg, samples, 0), override
+    cfg = load_config([], [*BASE, f"model.path={tiny_model}", "algo.old_logprobs=engine"])
+    assert engine_logprobs_are_old(cfg, stale, 1)  # asked for: taken, stale or not
 
 
 def test_ppo_critic_learns_values(make_worker, tiny_model):

@@ -3,10 +3,10 @@
 
 Each mode runs three times through the real command line (FSDP2 trainer on Ray, from the demo's
 warm-up so rewards vary): uninterrupted; killed with SIGKILL right after the step-N checkpoint
-is complete (the driver is then in step N+1); resumed. Every run attaches to the session's vLLM server
-(``demo_server``, a ``trident rollout serve``): each run installs its own weights at its start,
-so a server that outlives a killed run is what a resume meets in attach mode. In the deterministic mode
-(``run.deterministic``: every sample seeded from its group id) the resumed run must train the same
+is complete (the driver is then in step N+1); resumed. Every run attaches to a vLLM server
+(``demo_server``, a ``trident rollout serve``, or the ``separate_async`` test's own): each run
+installs its own weights at its start, so a server that outlives a killed run is what a resume
+meets in attach mode. In the deterministic mode (``run.deterministic``: every sample seeded from its group id) the resumed run must train the same
 sample ids in the same steps, at the same weight versions, with the same rewards and losses,
 and end on the same weights. The token ledger continues across the resume, and the killed run
 leaves no process behind; ``colocate_async`` (one step off-policy, batch N+1 in the checkpoint)
@@ -33,7 +33,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, cmdline, start_until, tagged_env, tagged_processes, wait_gone
+from tests.conftest import (
+    REPO,
+    cmdline,
+    rollout_server,
+    start_until,
+    tagged_env,
+    tagged_processes,
+    wait_gone,
+)
 from trident.models.load import load_tokenizer
 from trident.telemetry.lineage import read_samples
 from trident.telemetry.metrics import read_metrics
@@ -169,6 +177,7 @@ def test_an_automatic_restart_is_as_exact_as_resume(
     manifest = tmp_path / "restarted" / "checkpoints" / f"step_{N}" / "manifest.json"
     proc = start_until(cmd, tag, manifest.exists, poll=0.005)
     (rank,) = [p for p in tagged_processes(tag) if "ray::PolicyWorker" in cmdline(p)]
+    assert os.getpriority(os.PRIO_PROCESS, rank) == 0  # Ray's own default would be nice 15
     os.kill(rank, signal.SIGKILL)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
@@ -177,7 +186,7 @@ def test_an_automatic_restart_is_as_exact_as_resume(
     assert wait_gone(tag, timeout=180) == set()
 
 
-def test_separate_async_resume_loses_and_repeats_no_sample(tiny_model, demo_server, tmp_path):
+def test_separate_async_resume_loses_and_repeats_no_sample(tiny_model, tmp_path):
     """Streaming is timing-dependent (which group finishes first, where an update interrupts a
     response), so two runs differ step by step; what must hold is that the resumed run trains
     every prompt drawn exactly once, like the uninterrupted one, with groups caught in flight
@@ -188,12 +197,16 @@ def test_separate_async_resume_loses_and_repeats_no_sample(tiny_model, demo_serv
     it saved, with their own versions."""
     # A checkpoint catches a response part-way only if the rollout is busy then: once it is
     # quicker than a step, it waits with the next batch ready (the buffer's freshness rule) and
-    # nothing is in flight at any checkpoint (a CI host caught none in 5, twice, at n=4 and 256
-    # tokens; locally the rollout was ~3x slower than a step). Generating a batch costs B groups
-    # one after another (``max_running_groups=1``), each as many decode steps as its longest
-    # response, whatever n is; a step costs its B·n samples plus fixed overheads. So B=8, n=2
-    # and responses up to 448 tokens (the server's context is 512) make the rollout the slower
-    # side by a wide margin (locally 8-12 s a batch against 1-3 s a step after the first).
+    # nothing is in flight at any checkpoint. Generating a batch costs B groups one after
+    # another (``max_running_groups=1``), each as many decode steps as its longest response,
+    # whatever n is; a step costs B·n samples. So B=8, n=2 and responses up to 448 tokens make
+    # the rollout the slower side, on 2 cores too, so long as the two share the cores fairly.
+    # They did not on a CI host: the trainer ran at Ray's worker niceness (15, since set to 0 by
+    # ``init_ray``) beside a server at 0, got almost no CPU while vLLM generated (a step took
+    # 10-14 s there, 0.8 s alone), so every step ended just after the rollout's next batch was
+    # done and none of 3 checkpoints caught a response. The run's server here is its own, at
+    # the lowest priority (nice 19): the trainer takes the CPU it needs first, and the rollout
+    # is the slower side on any host (locally the trainer then waits 5-10 s for each batch).
     ckpts = tmp_path / "killed" / "checkpoints"
     seen: dict[str, list[int]] = {}  # checkpoint -> tokens of each response in flight
     caught_at: dict = {}
@@ -211,12 +224,14 @@ def test_separate_async_resume_loses_and_repeats_no_sample(tiny_model, demo_serv
             return True
         return False
 
+    (server := tmp_path / "server").mkdir()
     try:
-        resumed, whole = _resumed_and_whole(
-            "separate_async", tiny_model, demo_server, tmp_path, "rollout.max_tokens=448",
-            "pipeline.max_running_groups=1", "checkpoint.every=1", killed_when=caught_part_way,
-            shared=(f"pipeline.steps={STEPS}", "pipeline.prompts_per_step=8", "rollout.n=2"),
-        )  # fmt: skip
+        with rollout_server(tiny_model, server, uuid.uuid4().hex, nice=19) as url:
+            resumed, whole = _resumed_and_whole(
+                "separate_async", tiny_model, url, tmp_path, "rollout.max_tokens=448",
+                "pipeline.max_running_groups=1", "checkpoint.every=1", killed_when=caught_part_way,
+                shared=(f"pipeline.steps={STEPS}", "pipeline.prompts_per_step=8", "rollout.n=2"),
+            )  # fmt: skip
     except AssertionError as e:  # none caught: what each checkpoint held, and the step times
         times = [
             {k: round(v, 2) for k, v in m.items() if k.startswith("time/")}
@@ -278,6 +293,8 @@ def test_colocate_async_runs_and_resumes_exactly(demo_sft_model, demo_server, tm
         assert [m["version"] for m in rows] == list(range(1, 2 * N + 1))
         assert all(m["sync/max_abs_dlogp"] <= 2e-3 for m in rows)  # every sync verified
         assert [m["staleness/max"] for m in rows] == [0] + [1] * (2 * N - 1)  # exactly one off
+        # pi_old: the engine's for the on-policy first batch, recomputed for the stale ones
+        assert [m["old_logprobs_engine"] for m in rows] == [1.0] + [0.0] * (2 * N - 1)
     story = _story(resumed)
     assert story == _story(whole)  # same samples, steps, versions and rewards
     assert len({row[1] for row in story if row[2]}) == len(story) == 2 * N * 16

@@ -65,10 +65,22 @@ def test_step0_engine_trainer_mismatch_is_small(grpo_run):
     _, _, metrics = grpo_run
     first = metrics[0]
     assert first["mismatch_abs_logp_diff_mean"] < STEP0_MEAN_ABS_DLOGP
-    # On-policy: old == current in the first mini-batch (ratio exactly 1: with one mini-batch
-    # test_env_rl and test_agent_program assert it); the second follows one optimizer step.
+    # On-policy: old (the engine's) == current up to the mismatch in the first mini-batch (ratio
+    # 1 within 1e-5: with one mini-batch test_env_rl and test_agent_program assert it); the
+    # second follows one optimizer step.
     assert first["ratio_mean"] == pytest.approx(1.0, abs=0.05)  # measured 0.991 and 1.004
     assert first["clip_fraction"] < 0.1  # measured 0.017
+
+
+def test_pi_old_is_the_engines_on_policy(grpo_run):
+    """``sync`` mode, float32, every sync verified: ``algo.old_logprobs=auto`` takes the engine's
+    sampled-token logprobs for pi_old on every step, so the policy is never recomputed, and the
+    mismatch they carry is still measured (the first mini-batch's, before its update)."""
+    _, _, metrics = grpo_run
+    assert [m["old_logprobs_engine"] for m in metrics] == [1.0] * STEPS
+    for m in metrics:
+        assert m["time/recompute_s"] < 0.05 * m["time/optimize_s"]
+        assert m["mismatch_abs_logp_diff_mean"] < STEP0_MEAN_ABS_DLOGP
 
 
 def test_reward_and_accuracy_rise(grpo_run):

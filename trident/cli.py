@@ -196,7 +196,7 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             if run_dir is not None:  # leave: the run stops sending and lets its requests finish
                 print(f"leaving {run_dir}", file=sys.stderr, flush=True)
-                membership.wait_answer(membership.ask(run_dir, "leave", url), LEAVE_TIMEOUT_S)
+                membership.wait_answer(membership.ask(run_dir, "leave", url), ANSWER_TIMEOUT_S)
                 print(f"left {run_dir}", file=sys.stderr, flush=True)
             raise
         print(f"the rollout server exited with code {code} (log: {log})", file=sys.stderr)
@@ -205,7 +205,9 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
         server.stop()
 
 
-LEAVE_TIMEOUT_S = 600  # a leaving server's requests in flight finish within rollout requests'
+# How long join and leave wait for the run's answer: a join is one weight push, and a leaver's
+# requests in flight finish within rollout requests' own bounds.
+ANSWER_TIMEOUT_S = 600
 
 
 def cmd_rollout_join(args: argparse.Namespace) -> int:
@@ -213,7 +215,7 @@ def cmd_rollout_join(args: argparse.Namespace) -> int:
     ``trident rollout serve``) to its weights and route to it."""
     from trident.rollout import membership
 
-    print(membership.join(args.run_dir, args.url, LEAVE_TIMEOUT_S), flush=True)
+    print(membership.join(args.run_dir, args.url, ANSWER_TIMEOUT_S), flush=True)
     return 0
 
 
@@ -223,7 +225,7 @@ def cmd_rollout_leave(args: argparse.Namespace) -> int:
     from trident.rollout import membership
 
     request = membership.ask(args.run_dir, "leave", args.url)
-    _, answer = membership.wait_answer(request, LEAVE_TIMEOUT_S)
+    _, answer = membership.wait_answer(request, ANSWER_TIMEOUT_S)
     print(f"{args.url} left {args.run_dir} after {answer['seconds']:.1f} s", flush=True)
     return 0
 

@@ -35,6 +35,7 @@ from trident.algorithms.correction import (
     approx_proximal_logp,
     decoupled_ppo_loss,
     importance_weights,
+    mismatch_metrics,
 )
 from trident.algorithms.kl import (
     KL_ESTIMATORS,
@@ -68,6 +69,7 @@ __all__ = [
     "loss_denominators",
     "masked_mean",
     "masked_whiten",
+    "mismatch_metrics",
     "new_baseline_state",
     "outcome_to_token_rewards",
     "overlong_penalty",

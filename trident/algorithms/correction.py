@@ -99,19 +99,37 @@ def importance_weights(
 
     affected = masked_mean(out_of_band.to(mask.dtype), mask)
     no_tokens = torch.zeros_like(affected)
-    abs_diff = (trainer_logp - engine_logp).abs()
-    metrics = {
-        "mismatch_abs_logp_diff_mean": masked_mean(abs_diff, mask),
-        "mismatch_abs_logp_diff_max": abs_diff[mask > 0].max()
-        if bool((mask > 0).any())
-        else no_tokens,
-        "mismatch_k1_kl": masked_mean(kl_estimate(engine_logp, trainer_logp, "k1"), mask),
-        "mismatch_k3_kl": masked_mean(kl_estimate(engine_logp, trainer_logp, "k3"), mask),
+    metrics = mismatch_metrics(trainer_logp, engine_logp, mask) | {
         "is_weight_mean": masked_mean(weights, mask),
         "is_clip_fraction": affected if mode == "truncate" else no_tokens,
         "is_mask_fraction": affected if mode == "mask" else no_tokens,
     }
     return weights, metrics
+
+
+def mismatch_metrics(trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """How far the engine's logprobs are from the trainer's over ``mask``'s tokens: mean and max
+    |Δlogp|, and the k1 and k3 estimates of KL(engine || trainer). Positions outside the mask
+    are ignored whatever they hold (NaN included)."""
+    on = mask > 0
+    trainer_logp, engine_logp = trainer_logp[on].detach(), engine_logp[on].detach()
+    abs_diff = (trainer_logp - engine_logp).abs()
+    if not abs_diff.numel():
+        return dict.fromkeys(MISMATCH_METRICS, abs_diff.new_zeros(()))
+    return {
+        "mismatch_abs_logp_diff_mean": abs_diff.mean(),
+        "mismatch_abs_logp_diff_max": abs_diff.max(),
+        "mismatch_k1_kl": kl_estimate(engine_logp, trainer_logp, "k1").mean(),
+        "mismatch_k3_kl": kl_estimate(engine_logp, trainer_logp, "k3").mean(),
+    }
+
+
+MISMATCH_METRICS = (
+    "mismatch_abs_logp_diff_mean",
+    "mismatch_abs_logp_diff_max",
+    "mismatch_k1_kl",
+    "mismatch_k3_kl",
+)
 
 
 def decoupled_ppo_loss(

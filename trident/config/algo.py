@@ -20,6 +20,7 @@ Aggregation = Literal[
 KLEstimator = Literal["k1", "k2", "k3"]
 ISLevel = Literal["none", "token", "sequence", "geometric"]
 ISMode = Literal["truncate", "mask"]
+OldLogprobs = Literal["auto", "recompute", "engine"]
 
 # Each preset lists only what differs from the field defaults below (which are GRPO's).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -125,6 +126,14 @@ class AlgoConfig(BaseModel):
         description="Subtract the KL from the reward instead of adding it to the loss.",
     )
     entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus coefficient.")
+    old_logprobs: OldLogprobs = Field(
+        default="auto",
+        description="pi_old, the policy the ratio and its clip are taken against: recompute = the "
+        "trainer scores the batch before its update; engine = the rollout engine's sampled-token "
+        "logprobs, pi_old only on-policy; auto = the engine's where they are pi_old up to the "
+        "verified sync's numerical gap (every loss token sampled by the weights the trainer "
+        "holds, sync.verify on, float32, top_p = 1), else recompute.",
+    )
     is_level: ISLevel = Field(
         default="token", description="Importance-sampling correction of engine/trainer mismatch."
     )

@@ -14,9 +14,10 @@ back in.
    ``VLLMClient.progress``) is taken out like a dead one; its restart kills its process group.
    Why a live server cannot trip it: a busy one progresses every engine step, whatever its
    queue. With a full batch, the running requests decode a token each step (vLLM schedules
-   its running requests before any waiting one), so the generated-token count moves however long the waiting queue; a long
-   prompt is prefilled in chunks alongside those decodes, and each chunk takes KV-cache blocks
-   (usage moves) before the prompt's first token counts; the only step with none of these is
+   its running requests before any waiting one), so the generated-token count moves however
+   long the waiting queue; a long prompt is prefilled in chunks alongside those decodes, and
+   each chunk takes KV-cache blocks (usage moves) before the prompt's first token counts; the
+   only step with none of these is
    one whose requests are all mid-prefill, bounded by one ``max_model_len`` prompt's prefill,
    seconds where the default timeout is a minute. A paused server has none of ours pending: the
    weight gate drains (aborts and awaits) every request before a sync pauses the servers, and
@@ -47,8 +48,9 @@ back in.
    run waits for a joiner, saying so; with ``min_servers=0`` (the default) and none up it stops.
 
 Each recovery is timed (detected -> back in) into ``rollout/recovery_s``; ``rollout/restarts``
-counts them over the run; ``rollout/servers`` is the servers up at each step. It is also a ``restart`` span on the server in the run's trace, so a
-hang during one is reported as that stage.
+counts them over the run; ``rollout/servers`` is the servers up at each step. It is also a
+``restart`` span on the server in the run's trace, so a hang during one is reported as that
+stage.
 
 Simplifications: the server restarts where its actor lives (a lost node is not replaced); a
 weight update that fails because a server died during it is repeated once without that server
@@ -171,8 +173,8 @@ class ServerRecovery:
         url = self.router.clients[i].url
         if i >= self.owned:  # attached or joined: not ours to restart
             self.router.retire(i)
-            print(f"rollout server {i} ({url}) is down: left out (this run did not start it)",
-                  file=sys.stderr)  # fmt: skip
+            note = "left out (this run did not start it)"
+            print(f"rollout server {i} ({url}) is down: {note}", file=sys.stderr)
             self._short_of_servers()
             return
         if self.restarts[i] >= self.max_restarts:
@@ -272,7 +274,7 @@ class ServerRecovery:
                     continue
                 self._asked.add(request)
                 handle = self._join if kind == "join" else self._leave
-                task = asyncio.get_running_loop().create_task(handle(url, request))
+                task = asyncio.get_running_loop().create_task(handle(url.rstrip("/"), request))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             await asyncio.sleep(1.0)
@@ -280,8 +282,7 @@ class ServerRecovery:
     async def _join(self, url: str, request: Path) -> None:
         assert self.elastic is not None
         t0 = self.clock()
-        url = url.rstrip("/")
-        here = [i for i, c in enumerate(self.router.clients) if c.url == url and self.router.up[i]]
+        here = [i for i in self._at(url) if self.router.up[i]]
         if here:  # already routed to
             membership.answer(
                 request, "joined", index=here[0], version=self.gate.version, seconds=0.0
@@ -312,7 +313,7 @@ class ServerRecovery:
 
     async def _leave(self, url: str, request: Path) -> None:
         t0 = self.clock()
-        here = [i for i, c in enumerate(self.router.clients) if c.url == url.rstrip("/")]
+        here = self._at(url)
         i = here[-1] if here else None
         if i is not None and i not in self.router.retired:
             self.router.retire(i)
@@ -328,6 +329,10 @@ class ServerRecovery:
             )
             self._short_of_servers()
         membership.answer(request, "left", seconds=self.clock() - t0)
+
+    def _at(self, url: str) -> list[int]:
+        """The router's indices of the server at ``url`` (one per time it was added)."""
+        return [i for i, c in enumerate(self.router.clients) if c.url == url]
 
     async def _health(self) -> None:
         """Every ``rollout.health_check_s``: take out a server that failed two checks in a row."""

@@ -123,9 +123,7 @@ class Router:
         """Stop sending to server ``i`` at once and tell ``on_down``."""
         if not self.up[i]:
             return
-        self.up[i] = False
-        gone = self.clients[i]
-        self._sessions = {k: c for k, c in self._sessions.items() if c is not gone}
+        gone = self._stop_routing(i)
         if self.on_down is not None:
             self.on_down(i)
         else:  # nothing restarts servers here: a dead one ends what depends on it
@@ -142,10 +140,15 @@ class Router:
     def retire(self, i: int) -> None:
         """Send server ``i`` nothing new, for good (it leaves); what it has in flight goes on."""
         self.retired.add(i)
+        self._stop_routing(i)
+        self._notify()
+
+    def _stop_routing(self, i: int) -> VLLMClient:
+        """Server ``i`` gets no new request; the sessions pinned to it move on their next one."""
         self.up[i] = False
         gone = self.clients[i]
         self._sessions = {k: c for k, c in self._sessions.items() if c is not gone}
-        self._notify()
+        return gone
 
     def bring_in(self, i: int, client: VLLMClient) -> None:
         """Server ``i`` is back (``client``), holding the served weights."""

@@ -10,6 +10,7 @@ no room for them) fail with a message instead of waiting forever.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -149,7 +150,9 @@ class TrainerGroup(AbstractContextManager):
         sample's mean advantage and engine-vs-trainer mismatch go into its ``metrics``."""
         metrics = await self._all("train_step", samples)
         for s, (advantage, mismatch) in zip(samples, metrics.pop("per_sample"), strict=True):
-            s.metrics["advantage"], s.metrics["mismatch"] = advantage, mismatch
+            s.metrics["advantage"] = advantage
+            if not math.isnan(mismatch):  # NaN: not measured (the engine's logprobs were pi_old)
+                s.metrics["mismatch"] = mismatch
         return metrics
 
     async def sync_weights(self, version: int, urls: list[str] | None = None) -> dict[str, float]:

@@ -17,6 +17,7 @@ state. What the advantage and the loss are made of, and why: ``docs/algorithms.m
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import time
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from trident.weights.backend import Backend
     from trident.weights.sync import Transport, WeightSync
 
-__all__ = ["PolicyWorker", "token_logprobs"]
+__all__ = ["PolicyWorker", "engine_logprobs_are_old", "token_logprobs"]
 
 
 class PolicyWorker:
@@ -103,6 +104,7 @@ class PolicyWorker:
         self.backend: Backend = "shm"  # resolved: how often the other ranks gather (stream_passes)
         self.probe: list[int] = []
         self.served_probe: list[float] | None = None  # the probe's logprobs, last pushed version
+        self.served_version: int | None = None  # the version pushed, while the weights are it
 
     def _frozen(self, path: str) -> torch.nn.Module:
         model = load_causal_lm(path, self.cfg.model.dtype, self.device).eval()
@@ -155,9 +157,18 @@ class PolicyWorker:
         batch = collate([samples[i] for i in mine], pad).to(self.device)
         # With only the policy's own logprobs to recompute, the first mini-batch's come from its
         # own forward pass, taken before any optimizer step: one forward fewer for those rows.
-        fused = self.ref is None and self.critic is None and not self.teachers
+        # With the engine's standing for them (algo.old_logprobs), none is recomputed.
+        engine_old = engine_logprobs_are_old(self.cfg, samples, self.served_version)
+        fused = not engine_old and self.ref is None and self.critic is None and not self.teachers
         t_recompute = time.perf_counter()
-        local = self._recompute(batch, [samples[i] for i in mine], skip=chunks[0] if fused else [])
+        local = self._recompute(
+            batch,
+            [samples[i] for i in mine],
+            skip=chunks[0] if fused else [],
+            policy=not engine_old,
+        )
+        if engine_old:
+            local["old"] = batch.engine_logp.clone()
         t1 = time.perf_counter()
         grids = self._gather(local, mine, full.mask.shape)
         adv_all, returns_all, step_metrics = self.adv.compute(samples, full.mask, grids)
@@ -171,12 +182,17 @@ class PolicyWorker:
             )
             batch.mask[truncated] = 0.0
         sums: dict[str, float] = defaultdict(float)
+        # the trainer's logprobs before the update, of the first mini-batch: pi_old when fused;
+        # beside the engine's, the mismatch the engine's carry (NaN: rows not measured)
+        before = local["old"] if not engine_old else torch.full_like(local["old"], math.nan)
         t2 = time.perf_counter()
         for k, chunk in enumerate(chunks):
-            self._optimizer_step(batch, chunk, adv, local, returns, sums, fill_old=fused and k == 0)
+            fill = before if k == 0 and (fused or engine_old) else None
+            self._optimizer_step(batch, chunk, adv, local, returns, sums, fill)
         t3 = time.perf_counter()
+        self.served_version = None  # the weights moved on from the version the servers hold
         per_sample = _per_sample(
-            mine, full.mask, adv_all, engine_mask, batch.engine_logp, local["old"], self.world
+            mine, full.mask, adv_all, engine_mask, batch.engine_logp, before, self.world
         )
         self.sched.step()
         if self.critic is not None:
@@ -189,17 +205,28 @@ class PolicyWorker:
         } | _memory(self.opt, self.device)
         lr = float(self.sched.get_last_lr()[0])
         metrics = _reduce_metrics(sums, lr, self.world, self.device)
+        if engine_old:  # pi_old = the engine's: the mismatch is the first mini-batch's, measured
+            rows = chunks[0]
+            metrics |= _mismatch(
+                before[rows], batch.engine_logp[rows], engine_mask[rows], self.world
+            )
+        metrics["old_logprobs_engine"] = float(engine_old)
         return metrics | step_metrics | timing | {"per_sample": per_sample}
 
     def _recompute(
-        self, batch: Batch, samples: list[Sample], skip: list[int] | None = None
+        self,
+        batch: Batch,
+        samples: list[Sample],
+        skip: list[int] | None = None,
+        policy: bool = True,
     ) -> dict[str, torch.Tensor]:
-        """:func:`~trident.train.recompute.recompute` of this rank's rows with its models."""
+        """:func:`~trident.train.recompute.recompute` of this rank's rows with its models
+        (``policy`` False: not the policy's own)."""
         paths = self.cfg.model.teacher_paths
         teacher_paths = [paths[self.adv.teacher_key(s)] for s in samples] if self.teachers else []
         return recompute(
             batch,
-            self.model,
+            self.model if policy else None,
             ref=self.ref,
             critic=self.critic,
             teachers=self.teachers,
@@ -227,10 +254,10 @@ class PolicyWorker:
         local: dict[str, torch.Tensor],
         returns: torch.Tensor | None,
         sums: dict[str, float],
-        fill_old: bool = False,
+        fill: torch.Tensor | None = None,
     ) -> None:
-        """One optimizer step on ``rows``; ``fill_old``: their ``local["old"]`` is not computed
-        yet, and is this (pre-step) policy's logprobs from these forward passes."""
+        """One optimizer step on ``rows``; ``fill``: the grid their (pre-step) logprobs from
+        these forward passes go into (``local["old"]`` when it is not computed yet)."""
         tc, spec = self.cfg.trainer, _loss_spec(self.cfg, self.kl_coef)
         temperature = self.cfg.rollout.temperature or 1.0
         old_logp, values_old = local["old"], local.get("values")
@@ -250,8 +277,8 @@ class PolicyWorker:
             )  # fmt: skip
             assert entropy is not None  # asked for with_entropy
             mask, w = mb.mask * (0.0 if dummy else 1.0), mb.mask.shape[1]
-            if fill_old and not dummy:
-                old_logp[idx, :w] = logp.detach()
+            if fill is not None and not dummy:
+                fill[idx, :w] = logp.detach()
             out = rl_loss(
                 spec, logp, entropy, old_logp[idx, :w], adv[idx, :w], mask, mb.engine_logp,
                 global_tokens=int(counts[0]), global_seqs=int(counts[1]),
@@ -332,6 +359,7 @@ class PolicyWorker:
         # the probe is also what a restarted server is checked against (rollout.max_restarts)
         probe = self.cfg.sync.verify or self.cfg.rollout.max_restarts > 0
         expected = probe_logprobs(self.model, self.probe) if probe else None
+        self.served_version = version
         # a LoRA policy sends its adapters alone, or its merged weights under the base model's
         # names (collective: MergedWeights gathers every A)
         weights: Any = self.model
@@ -412,6 +440,7 @@ class PolicyWorker:
     def load_state(self, ckpt_dir: str) -> None:
         """Continue from what ``save_state`` wrote (collective)."""
         extra = fsdp.load_training_state(Path(ckpt_dir) / "trainer", self._stateful())
+        self.served_version = None  # until these weights are pushed
         self.sched.load_state_dict(extra["sched"])
         if self.critic is not None and extra["critic_sched"] is not None:
             self.critic_sched.load_state_dict(extra["critic_sched"])
@@ -437,6 +466,49 @@ def _clip_and_step(model: torch.nn.Module, opt: torch.optim.Optimizer, max_norm:
     return float(grad_norm)
 
 
+def engine_logprobs_are_old(
+    cfg: TridentConfig, samples: list[Sample], served_version: int | None
+) -> bool:
+    """``algo.old_logprobs``: whether the engine's sampled-token logprobs stand for pi_old in a
+    step on ``samples``, the trainer holding ``served_version`` (None: weights not pushed as
+    they are). ``auto``: where they are pi_old up to the verified sync's numerical gap: every
+    loss token sampled by the weights the trainer holds, float32 on both sides, no top-p
+    truncation (the trainer scores the whole distribution). The samples are the same on every
+    rank, so is the answer."""
+    if cfg.algo.old_logprobs != "auto":
+        return cfg.algo.old_logprobs == "engine"
+    exact = cfg.sync.verify and cfg.model.dtype == "float32" and cfg.rollout.top_p == 1.0
+    return (
+        exact
+        and served_version is not None
+        and all(
+            v == served_version
+            for s in samples
+            for v, m in zip(s.versions, s.loss_mask, strict=True)
+            if m
+        )
+    )
+
+
+def _mismatch(
+    trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor, world: int
+) -> dict[str, float]:
+    """``correction.mismatch_metrics`` over every rank's rows (collective when ``world`` > 1):
+    token means weighted by each rank's tokens, the maximum of the maxima."""
+    m = alg.mismatch_metrics(trainer, engine, mask)
+    top = m.pop("mismatch_abs_logp_diff_max").double().reshape(1)
+    keys = sorted(m)
+    tokens = float((mask > 0).sum())
+    sums = torch.tensor([float(m[k]) * tokens for k in keys] + [tokens], dtype=torch.float64)
+    if world > 1:
+        sums, top = sums.to(trainer.device), top.to(trainer.device)
+        dist.all_reduce(sums)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    n = max(float(sums[-1]), 1.0)
+    out = {k: float(v) / n for k, v in zip(keys, sums[:-1].tolist(), strict=True)}
+    return out | {"mismatch_abs_logp_diff_max": float(top)}
+
+
 def _per_sample(
     mine: list[int],
     full_mask: torch.Tensor,
@@ -452,7 +524,9 @@ def _per_sample(
     advantage = (adv_all * full_mask).sum(1) / tokens
     gap = torch.zeros(len(full_mask), device=old.device)
     rows = torch.tensor(mine, device=old.device, dtype=torch.long)
-    gap[rows] = ((old - engine_logp).abs() * m).sum(1) / m.sum(1).clamp(min=1)
+    # old: NaN at the loss tokens of rows not measured (algo.old_logprobs), which stay NaN
+    diff = torch.where(m > 0, (old - engine_logp).abs(), 0.0)
+    gap[rows] = diff.sum(1) / m.sum(1).clamp(min=1)
     if world > 1:
         dist.all_reduce(gap)
     return torch.stack([advantage.float().cpu(), gap.float().cpu()], 1).tolist()

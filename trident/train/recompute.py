@@ -126,7 +126,7 @@ def even_micro_batches(
 @torch.no_grad()
 def recompute(
     batch: Batch,
-    policy: torch.nn.Module,
+    policy: torch.nn.Module | None,
     *,
     ref: torch.nn.Module | None,
     critic: torch.nn.Module | None,
@@ -143,7 +143,8 @@ def recompute(
     """Per-token quantities of this rank's rows [b, T] with no gradient: ``old`` (policy
     logprobs), ``ref``, ``values`` (critic), ``teacher`` (each row's teacher: ``teachers`` by
     path, ``teacher_paths`` the path of each row). Rows in ``skip`` are left at zero (their
-    ``old`` is filled by the first optimizer step). ``chunk_tokens``, ``packed``:
+    ``old`` is filled by the first optimizer step); ``policy`` None: no ``old`` (the engine's
+    logprobs stand for it, ``algo.old_logprobs``). ``chunk_tokens``, ``packed``:
     :func:`token_logprobs`' (the critic runs padded)."""
     lengths = batch.attention_mask.sum(1).tolist()
     todo = sorted(set(range(len(lengths))) - set(skip))
@@ -151,11 +152,14 @@ def recompute(
     for part in even_micro_batches([lengths[i] for i in todo], token_budget, world, device, packed):
         idx = None if part is None else [todo[i] for i in part]
         mb = select_rows(batch, idx if idx is not None else [0])
-        old = token_logprobs(policy, mb, temperature, chunk_tokens=chunk_tokens, packed=packed)[0]
+        old = None
+        if policy is not None:
+            old = token_logprobs(policy, mb, temperature, chunk_tokens=chunk_tokens, packed=packed)
         values = token_values(critic, mb) if critic is not None else None
         if idx is None:
             continue  # a zero-weight pass: only keeps the FSDP collectives in step
-        parts["old"].append((idx, old))
+        if old is not None:
+            parts["old"].append((idx, old[0]))
         if values is not None:
             parts["values"].append((idx, values))
         if ref is not None:
@@ -173,7 +177,7 @@ def recompute(
                 teacher, mb, temperature, chunk_tokens=chunk_tokens, packed=packed
             )[0]
             parts["teacher"].append((idx, logp))
-    names = ["old"]
+    names = ["old"] if policy is not None else []
     if ref is not None:
         names.append("ref")
     if critic is not None:
