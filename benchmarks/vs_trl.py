@@ -235,6 +235,7 @@ def run_trident(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
         "step_ends": ends,
         "total_s": total,
         "response_tokens_mean": statistics.median(m["response_len_mean"] for m in rows),
+        "response_tokens_per_step": [m["response_len_mean"] for m in rows],
         "stages": stage,
         "parts": parts,
         "checkpoints": {s: str(p) for s, p in ckpts.items()},
@@ -383,7 +384,7 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path, launch: float) -> 
         loss_type="dapo", scale_rewards="group", reward_weights=[weights["task"], weights["format"]],
         dataloader_num_workers=0, gradient_checkpointing=False, **device,
     )  # fmt: skip
-    timing: dict[str, Any] = {"step_ends": [], "generate_s": [], "lengths": []}
+    timing: dict[str, Any] = {"step_ends": [], "generate_s": [], "lengths": [], "lrs": []}
 
     class Timed(GRPOTrainer):
         def _generate_and_score_completions(self, *args: Any, **kwargs: Any):
@@ -403,6 +404,10 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path, launch: float) -> 
             scale = cosine_lr(rl_step, steps, r["warmup_steps"], r["lr_schedule"])
             for group in trainer.optimizer.param_groups:
                 group["lr"] = r["lr"] * scale
+
+        def on_optimizer_step(self, args, state, control, **kw):  # noqa: ANN001
+            # the rate the step took (TRL logs its scheduler's, which this callback overrides)
+            timing["lrs"].append(trainer.optimizer.param_groups[0]["lr"])
 
         def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
             if state.global_step % r["mini_batches"]:
@@ -433,6 +438,8 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path, launch: float) -> 
             "rest of the step": statistics.mean(periods[WARMUP:]) - statistics.mean(generate),
         },
         "response_tokens_mean": statistics.median(timing["lengths"]),
+        "response_tokens_per_step": timing["lengths"],
+        "lr_per_optimizer_step": timing["lrs"],
         "checkpoints": {
             s: str(saves / f"step_{s}") for s in (_eval_steps(steps) if r["evaluate"] else [])
         },
