@@ -19,7 +19,9 @@ from tests.conftest import REPO, Run, tagged_env, wait_gone
 from trident.telemetry.lineage import read_samples
 from trident.telemetry.metrics import read_metrics
 
-STEPS, PROMPTS, N = 8, 4, 2
+# 16 steps: enough left after B leaves for the run to wait for a joiner (at 8, one CI-like run
+# finished its steps while `trident rollout leave` started, once the trainer ran at nice 0)
+STEPS, PROMPTS, N = 16, 4, 2
 
 
 def _serve(model: str, out: Path, tag: str, *extra: str) -> tuple[Run, str]:
