@@ -6,8 +6,8 @@ warm-up so rewards vary): uninterrupted; killed with SIGKILL right after the ste
 is complete (the driver is then in step N+1); resumed. Every run attaches to a vLLM server
 (``demo_server``, a ``trident rollout serve``, or the ``separate_async`` test's own): each run
 installs its own weights at its start, so a server that outlives a killed run is what a resume
-meets in attach mode. In the deterministic mode (``run.deterministic``: every sample seeded from its group id) the resumed run must train the same
-sample ids in the same steps, at the same weight versions, with the same rewards and losses,
+meets in attach mode. In the deterministic mode (``run.deterministic``: every sample seeded
+from its group id) the resumed run must train the same sample ids in the same steps, at the same weight versions, with the same rewards and losses,
 and end on the same weights. The token ledger continues across the resume, and the killed run
 leaves no process behind; ``colocate_async`` (one step off-policy, batch N+1 in the checkpoint)
 is as exact as ``sync``. In ``separate_async`` (timing-dependent by nature) the checkpoint

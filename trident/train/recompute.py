@@ -147,7 +147,9 @@ def recompute(
     logprobs stand for it, ``algo.old_logprobs``). ``chunk_tokens``, ``packed``:
     :func:`token_logprobs`' (the critic runs padded)."""
     lengths = batch.attention_mask.sum(1).tolist()
-    todo = sorted(set(range(len(lengths))) - set(skip))
+    scored = policy is not None or ref is not None or critic is not None
+    # nothing to score row by row: no micro-batch (the same on every rank, so do the collectives)
+    todo = sorted(set(range(len(lengths))) - set(skip)) if scored else []
     parts: dict[str, list] = defaultdict(list)
     for part in even_micro_batches([lengths[i] for i in todo], token_budget, world, device, packed):
         idx = None if part is None else [todo[i] for i in part]
