@@ -52,6 +52,11 @@ def test_unknown_key_in_yaml_names_its_path(tmp_path):
         (["algo.name=ppo", "algo.use_critic=false"], "needs a critic"),
         (["eval.pass_k=8", "eval.samples=4"], "exceeds eval.samples"),
         (["rollout.n=0"], "rollout.n"),
+        (
+            ["rollout.sleep_level=1", "pipeline.mode=colocate_async", "pipeline.max_staleness=1"],
+            "only pipeline.mode=sync leaves them idle",
+        ),
+        (["rollout.sleep_level=2", "sync.delta=true"], "each sync must rewrite them whole"),
     ],
 )
 def test_invalid_combinations_fail_early(overrides, message):

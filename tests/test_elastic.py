@@ -57,7 +57,9 @@ def test_servers_join_die_and_leave_a_running_job_and_nothing_is_lost(tiny_model
     next step A is killed (SIGTERM, mid-generation: its
     requests are resubmitted to B from their prefixes) and left out; after the next, B leaves
     (``trident rollout leave``: its requests in flight finish first). With no server up the run
-    waits and says so, until C (``trident rollout serve --join``) joins; it finishes on C.
+    waits and says so, until C (``trident rollout serve --join``) joins; it finishes on C. C
+    listens on 127.0.0.2, an address that is not the run's (loopback, ``127.0.0.1``): to the run
+    it is on another host, and it takes every sync's buckets over HTTP (the cross-host path).
 
     Each joiner's samples come only after its verified sync; every drawn prompt is trained
     exactly once; staleness stays within η; every sync is verified; the fleet size is logged."""
@@ -96,7 +98,9 @@ def test_servers_join_die_and_leave_a_running_job_and_nothing_is_lost(tiny_model
         )
         before_c = _steps_done(run_dir)
         t0 = time.monotonic()
-        c, url_c = _serve(tiny_model, tmp_path / "c", tag, "--join", str(run_dir))
+        c, url_c = _serve(
+            tiny_model, tmp_path / "c", tag, "--join", str(run_dir), "--host", "127.0.0.2"
+        )
         assert f"joined {run_dir}" in c.output
         print(f"serve --join: command -> routed to in {time.monotonic() - t0:.1f} s")
         output = run.finish()
@@ -123,6 +127,10 @@ def test_servers_join_die_and_leave_a_running_job_and_nothing_is_lost(tiny_model
     # a joiner's samples end with versions pushed to it after it joined, each verified
     assert min(r["version_max"] for r in by_server[url_b]) >= at_join - 1
     assert min(r["version_max"] for r in by_server[url_c]) >= before_c
+    # C, on "another host", fetched its first install and every later sync over HTTP
+    (log_c,) = (run_dir / "logs").glob("vllm_server_joined_*.log")
+    assert "buckets via http" in log_c.read_text() and "via shm" not in log_c.read_text()
+    assert metrics[-1]["sync/http_servers"] == 1
     last = metrics[-1]
     for unit in ("samples", "tokens"):
         assert (

@@ -9,9 +9,12 @@ import time
 
 import pytest
 import ray
+import torch
 
 from tests.conftest import run_cli
-from trident.cluster.placement import PlacementError, make_plan, reserve
+from trident.cluster.placement import PlacementError, make_plan, plan_for, reserve
+from trident.config import load_config
+from trident.telemetry.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +105,35 @@ def test_the_sync_backend_is_one_the_placement_allows(gpus, ranks, servers, plac
     plan = make_plan(placement, ranks, servers, {"GPU": gpus, "CPU": 16})
     assert weight_backend(SyncConfig(), plan) == backend
     assert weight_backend(SyncConfig(backend="nccl"), plan) == "nccl"  # as the user set it
+
+
+def test_engines_sleep_only_beside_a_trainer_rank_on_their_gpu():
+    """``rollout.sleep_level`` lends an engine's GPU memory to the trainer rank colocated with
+    it: any other plan fails at once, saying so (here on CPU too, before anything starts)."""
+    cfg = load_config([], ["rollout.sleep_level=1"])
+    assert plan_for(cfg, {"GPU": 1, "CPU": 16}).mode == "colocated"
+    for cluster in ({"CPU": 4}, {"GPU": 2, "CPU": 16}):  # cpu; disaggregated (a GPU each)
+        with pytest.raises(PlacementError, match="rollout.sleep_level=1: an engine sleeps"):
+            plan_for(cfg, cluster)
+    r = run_cli("train", "--dry-run", "rollout.sleep_level=1", timeout=60)
+    assert r.returncode != 0 and "this plan is cpu" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("level", [1, 2])
+def test_engines_sleep_through_the_train_stage_and_every_sync_verifies(level, tiny_model, tmp_path):
+    """Colocated on one GPU, ``sync`` mode: the engine sleeps while the trainer trains (vLLM
+    frees its memory) and wakes for each install, which is verified as always."""
+    r = run_cli(
+        "train", f"model.path={tiny_model}", f"run.dir={tmp_path}", "run.name=sleep",
+        "model.dtype=bfloat16", "cluster.placement=colocated", f"rollout.sleep_level={level}",
+        "rollout.gpu_memory_utilization=0.3", "sync.tolerance=0.1", "pipeline.steps=3",
+        "pipeline.prompts_per_step=4", "rollout.n=4", "eval.before_after=false",
+        "telemetry.progress=false", timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "sleep")
+    assert all(m["sync/max_abs_dlogp"] < 0.1 for m in metrics)  # woken, synced, verified
+    log = (tmp_path / "sleep" / "logs" / "vllm_server_0.log").read_text()
+    assert log.count("Sleep mode freed") == 3  # once per train stage

@@ -34,6 +34,14 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
             ) from None
 
 
+def address_towards(host: str) -> str:
+    """This host's address on the route to ``host`` (the interface a packet to it leaves by):
+    where a process there reaches this one. Sends nothing."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
 def single_node() -> bool:
     """True when the Ray cluster has one live node (or Ray is not running)."""
     if not ray.is_initialized():

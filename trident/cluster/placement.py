@@ -182,7 +182,14 @@ def plan_for(cfg: TridentConfig, cluster: Mapping[str, float]) -> Plan:
     servers = 0 if cfg.rollout.server_urls else cfg.rollout.num_servers
     c = cfg.cluster
     rms = [actor_resources(f.kwargs) for f in cfg.reward.fns if f.name == "reward_model"]
-    return make_plan(c.placement, cfg.trainer.num_ranks, servers, cluster, c.role_resources, rms)
+    plan = make_plan(c.placement, cfg.trainer.num_ranks, servers, cluster, c.role_resources, rms)
+    if cfg.rollout.sleep_level and plan.mode != "colocated":
+        raise PlacementError(
+            f"rollout.sleep_level={cfg.rollout.sleep_level}: an engine sleeps to lend its GPU to "
+            f"the trainer rank on the same device, and this plan is {plan.mode} (set "
+            "cluster.placement=colocated on GPUs, or rollout.sleep_level=0)"
+        )
+    return plan
 
 
 def check_fits(plan: Plan, cluster: Mapping[str, float]) -> None:

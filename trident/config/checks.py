@@ -81,11 +81,30 @@ def combination_errors(cfg: TridentConfig) -> list[str]:
         )
     if not cfg.data.task and not cfg.data.train_path and not cfg.env.name:
         errors.append("no data: set data.task (a built-in task), data.train_path or env.name")
-    errors += env_errors(cfg)
+    errors += env_errors(cfg) + sleep_errors(cfg)
     if cfg.algo.overlong_penalty and cfg.algo.overlong_buffer > cfg.response_budget:
         errors.append(
             f"algo.overlong_buffer={cfg.algo.overlong_buffer} exceeds the response budget "
             f"{cfg.response_budget} ({'env.max_response_tokens' if cfg.env.name else 'rollout.max_tokens'})"
+        )
+    return errors
+
+
+def sleep_errors(cfg: TridentConfig) -> list[str]:
+    """``rollout.sleep_level`` with a mode or a sync it cannot go with (the plan it needs:
+    ``trident.cluster.placement.plan_for``)."""
+    errors = []
+    sleep = cfg.rollout.sleep_level
+    if sleep and cfg.pipeline.mode != "sync":
+        errors.append(
+            f"rollout.sleep_level={sleep}: the engines sleep while the trainer trains, which only "
+            f"pipeline.mode=sync leaves them idle for (got {cfg.pipeline.mode})"
+        )
+    lora = cfg.model.lora
+    if sleep == 2 and (cfg.sync.delta or (lora is not None and lora.sync == "adapter")):
+        errors.append(
+            "rollout.sleep_level=2 drops the engines' weights, so each sync must rewrite them "
+            "whole: turn off sync.delta and model.lora.sync=adapter, or use rollout.sleep_level=1"
         )
     return errors
 

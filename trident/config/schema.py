@@ -272,6 +272,10 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(
         default=0.5, gt=0, le=1, description="Fraction of GPU memory per GPU server."
     )
+    sleep_level: Literal[0, 1, 2] = Field(
+        default=0,
+        description="`sync` mode, colocated on GPUs: the engines sleep while the trainer trains, lending it their memory (vLLM's sleep mode; 1: weights to CPU, 2: weights dropped, each sync rewrites them whole). 0 = never.",
+    )
     startup_timeout_s: float = Field(
         default=300, gt=0, description="Seconds to wait for a server to become healthy."
     )

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from trident.rollout.engine import Completion, EngineError, SamplingParams
@@ -78,6 +78,14 @@ class ServerPool(Protocol):
         """Called by a weight update once nothing is in flight."""
         ...
 
+    async def sleep(self, level: int) -> None:
+        """Called by ``WeightGate.asleep`` with nothing in flight: free the engines' memory."""
+        ...
+
+    async def wake_up(self) -> None:
+        """Called by ``WeightGate.asleep`` before the next install."""
+        ...
+
     async def check(self, answer_within_s: float = 0.0) -> int:
         """Called by a weight update before it pushes (and after a push fails): take out the
         servers that do not answer (``answer_within_s``: or do not generate a token within that
@@ -88,11 +96,18 @@ class ServerPool(Protocol):
 class WeightGate:
     """See the module docstring for the update protocol."""
 
-    def __init__(self, servers: ServerPool, version: int = 0, answer_within_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        servers: ServerPool,
+        version: int = 0,
+        answer_within_s: float = 0.0,
+        sleep_level: int = 0,
+    ) -> None:
         """``answer_within_s``: after a failed push, a server that does not generate a token
-        within that long is taken out (and restarted) like a dead one."""
+        within that long is taken out (and restarted) like a dead one; ``sleep_level``: how
+        deep the engines sleep in ``asleep`` (``rollout.sleep_level``; 0: they do not)."""
         self.servers, self.version = servers, version
-        self.answer_within_s = answer_within_s
+        self.answer_within_s, self.sleep_level = answer_within_s, sleep_level
         self.inflight = 0
         self._open = asyncio.Event()
         self._open.set()
@@ -132,6 +147,25 @@ class WeightGate:
         """Let requests through again after ``close_and_drain`` (e.g. once a checkpoint is
         written)."""
         self._open.set()
+
+    @contextlib.asynccontextmanager
+    async def asleep(self) -> AsyncIterator[None]:
+        """Around ``sync`` mode's train stage: the gate closed, the engines asleep
+        (``sleep_level``), their GPU memory lent to the trainer ranks on the same devices; awake
+        again before the install that follows (which pushes the new weights, whole after a
+        level-2 sleep). Nothing is in flight then, so nothing is aborted."""
+        if not self.sleep_level:
+            yield
+            return
+        async with self._lock:
+            await self.close_and_drain()
+            await self.servers.sleep(self.sleep_level)
+        try:
+            yield
+        finally:
+            async with self._lock:
+                await self.servers.wake_up()
+                self._open.set()
 
     async def _push(self, push: Callable[[list[str]], Awaitable[dict[str, float]]]) -> dict:
         await self.servers.check()

@@ -144,7 +144,11 @@ class RunHarness:
             total_groups=p.prompts_per_step * p.steps,
             max_running=p.max_running_groups or None,
         )
-        self.gate = WeightGate(router, answer_within_s=cfg.rollout.liveness_timeout_s)
+        self.gate = WeightGate(
+            router,
+            answer_within_s=cfg.rollout.liveness_timeout_s,
+            sleep_level=cfg.rollout.sleep_level,
+        )
         rc = cfg.rollout
         elastic = Elastic(
             self.run_dir, lambda url: clients(cfg, [url])[0], rc.min_servers, rc.max_servers

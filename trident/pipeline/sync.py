@@ -8,7 +8,9 @@ and verifies it (the engine's probe logprobs must equal the trainer's); a sync t
 stops the run. Groups go through the same buffer as the async modes, at η = 0, so a group with
 nothing to train on (or, with ``algo.dynamic_sampling``, without signal) is replaced by a fresh
 prompt's group. Prompts, rewards, metrics, checkpoints and evals are the harness's
-(``trident.pipeline.harness``).
+(``trident.pipeline.harness``). With ``rollout.sleep_level`` (colocated on GPUs) the engines
+sleep through the train stage, their memory lent to the trainer, and wake for the install
+(``WeightGate.asleep``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ async def run_sync(
         start = trace.now()
         await fill_batch(buffer, make_group, buffer.groups_per_step)
         samples, metrics = await take_batch(buffer, trace, since=start)
-        metrics |= await train_on(trainer, samples, step, trace)
+        async with gate.asleep():  # rollout.sleep_level: the engines lend the trainer their GPUs
+            metrics |= await train_on(trainer, samples, step, trace)
         metrics |= await install(gate, trainer, buffer, step + 1, trace)
         await on_step(step, samples, metrics)

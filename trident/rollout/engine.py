@@ -195,6 +195,16 @@ class VLLMClient:
         body = await self._post("/abort_requests", {"request_ids": request_ids or []}, timeout=60)
         return int(body.get("aborted", 0))
 
+    async def sleep(self, level: int) -> None:
+        """Free the engine's GPU memory (vLLM's sleep mode, a server started with
+        ``--enable-sleep-mode``): the KV cache, and the weights (level 1: kept on the CPU;
+        2: dropped, for a sync to rewrite whole). Nothing may be running."""
+        await self._post(f"/sleep?level={level}", timeout=self.timeout_s)
+
+    async def wake_up(self) -> None:
+        """Take the GPU memory back after ``sleep`` (the weights as they were at level 1)."""
+        await self._post("/wake_up", timeout=self.timeout_s)
+
     async def reset_prefix_cache(self) -> bool:
         """Drop cached KV blocks (e.g. computed by older weights); False while requests hold
         blocks, so call it when nothing is running."""

@@ -30,6 +30,8 @@ def server_options(cfg: TridentConfig, weight_transfer: str | None) -> dict[str,
         assert cfg.model.lora is not None
         lora_args, env = lora_server_args(cfg.model.lora.r)
         args = lora_args + args
+    if rc.sleep_level:  # the engine frees its GPU memory while the trainer trains
+        args = ["--enable-sleep-mode", *args]
     return dict(
         dtype=cfg.model.dtype,
         max_model_len=rc.max_model_len,

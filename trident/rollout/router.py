@@ -193,6 +193,14 @@ class Router:
         """Reset every up server's prefix cache; True only if all of them did."""
         return all(await self._each_up(lambda c: c.reset_prefix_cache(), True))
 
+    async def sleep(self, level: int) -> None:
+        """Put every up server to sleep (``VLLMClient.sleep``)."""
+        await self._each_up(lambda c: c.sleep(level), None)
+
+    async def wake_up(self) -> None:
+        """Wake every up server (``VLLMClient.wake_up``)."""
+        await self._each_up(lambda c: c.wake_up(), None)
+
     async def _each_up(
         self, call: Callable[[VLLMClient], Awaitable[Any]], if_down: Any
     ) -> list[Any]:

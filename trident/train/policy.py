@@ -202,7 +202,7 @@ class PolicyWorker:
             "time/recompute_s": t1 - t_recompute,
             "time/optimize_s": t3 - t2,
             "time/rank_s": time.perf_counter() - t0,
-        } | _memory(self.opt, self.device)
+        } | _memory(self.opt, self.device, release=self.cfg.rollout.sleep_level > 0)
         lr = float(self.sched.get_last_lr()[0])
         metrics = _reduce_metrics(sums, lr, self.world, self.device)
         if engine_old:  # pi_old = the engine's: the mismatch is the first mini-batch's, measured
@@ -334,7 +334,7 @@ class PolicyWorker:
                     # what a restarted server is brought back to (rollout.max_restarts)
                     keep_served=self.cfg.rollout.max_restarts > 0,
                     remote=remote,
-                    host=ip,  # serves the buckets; the engines join rank 0's NCCL group from it
+                    host=ip,  # this host (shm); the engines join rank 0's NCCL group from it
                     timeout_s=sc.timeout_s,
                 )
             model = ADAPTER_MODEL if self.adapter_sync else SERVED_MODEL
@@ -553,9 +553,10 @@ def _loss_spec(cfg: TridentConfig, kl_coef: float) -> LossSpec:
     )
 
 
-def _memory(opt: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
+def _memory(opt: torch.optim.Optimizer, device: torch.device, release: bool) -> dict[str, float]:
     """Rank 0's memory: its peak so far (resident set on CPU, allocated on a GPU) and its
-    optimizer state (its shards; LoRA: the adapters' only), in GiB."""
+    optimizer state (its shards; LoRA: the adapters' only), in GiB. ``release``: the engine on
+    this GPU wakes next (``rollout.sleep_level``), so the allocator's cached blocks go back."""
     state = sum(
         (getattr(t, "to_local", lambda t=t: t)()).nbytes
         for per_param in opt.state.values()
@@ -564,6 +565,8 @@ def _memory(opt: torch.optim.Optimizer, device: torch.device) -> dict[str, float
     )
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
+        if release:
+            torch.cuda.empty_cache()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10  # KiB on Linux
     return {"memory/rank_peak_gib": peak / 2**30, "memory/optimizer_state_gib": state / 2**30}

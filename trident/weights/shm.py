@@ -25,7 +25,8 @@ arrives, so a refused update leaves a server on its previous weights and version
 A server on another host than the sender (``remote``: another Ray node, or an attached server's
 address that is not this host's) gets the bucket's URL instead of its path: the sender serves its
 bucket files over HTTP (``BucketServer``) and the server fetches the same checksummed bytes during
-the call, so the checks and the whole-or-nothing apply are the same.
+the call, so the checks and the whole-or-nothing apply are the same. A server that joins the run
+from another host (``resend``) is served from the address of this host that routes to it.
 
 Any failure between start and finish sends ``{"abort": true}`` to every server (closing its update
 session; a server that already applied the last bucket keeps the new weights under the old
@@ -67,6 +68,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from trident.cluster.net import address_towards
 from trident.weights import delta as delta_codec
 from trident.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
@@ -100,7 +102,8 @@ class ShmTransport:
         """``timeout_s`` bounds every HTTP call; ``delta``, ``full_every`` and
         ``on_base_mismatch``: see the module docstring; ``keep_served``: keep a copy of the last
         pushed weights for ``resend``; ``remote``: the servers on other hosts, which fetch each
-        bucket over HTTP from this process at ``serve_host``."""
+        bucket over HTTP from this process; ``serve_host``: this host's address (a joiner at
+        another is on another host)."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if full_every < 1:
@@ -118,9 +121,11 @@ class ShmTransport:
         self._base: dict[str, torch.Tensor] | None = None
         self._base_key: tuple[int, str] | None = None
         self._deltas_since_full = 0
-        self.remote = {u.rstrip("/") for u in remote}
+        # each server on another host, and the address of this one it fetches the buckets from
+        self.remote: dict[str, str] = {}
         self.serve_host = serve_host
-        self._buckets_server: BucketServer | None = None
+        self._bucket_servers: dict[str, BucketServer] = {}  # one per address served from
+        self._remote_urls = [u.rstrip("/") for u in remote]
         # The bucket files live from the first push to close(), or to this process's exit.
         self._remove_files = weakref.finalize(self, _remove_files, self.shm_dir, self._file_prefix)
 
@@ -132,9 +137,17 @@ class ShmTransport:
         on each server."""
         self.shm_dir.mkdir(parents=True, exist_ok=True)
         _remove_orphans(self.shm_dir)
-        if self.remote and self._buckets_server is None:
-            self._buckets_server = BucketServer(self.shm_dir, self._file_prefix, self.serve_host)
+        for url in self._remote_urls:
+            self._serve(url)
         asyncio.run(self._init_engines(urls))
+
+    def _serve(self, url: str) -> None:
+        """Serve the bucket files over HTTP to ``url``, a server on another host, from the
+        address of this host on the route to it (``serve_host`` is loopback on one node)."""
+        host = address_towards(urlparse(url).hostname or "")
+        self.remote[url] = host
+        if host not in self._bucket_servers:
+            self._bucket_servers[host] = BucketServer(self.shm_dir, self._file_prefix, host)
 
     async def _init_engines(self, urls: list[str]) -> None:
         async with WeightRoutes(self.timeout_s) as routes:
@@ -273,7 +286,7 @@ class ShmTransport:
                             ),
                         )
                     m["bytes"] += item.file.nbytes
-                    m["http_servers"] = float(len(self.remote.intersection(targets)))
+                    m["http_servers"] = float(len(self.remote.keys() & set(targets)))
                     m["weights_bytes"] += item.weights_bytes
                     m["num_buckets"] += 1
                     m["num_tensors"] += item.num_tensors
@@ -296,8 +309,8 @@ class ShmTransport:
         this host, the URL it fetches the same bytes from for one on another host."""
         if url not in self.remote:
             return info
-        assert self._buckets_server is not None  # init() started it
-        return {**info, "path": "", "url": self._buckets_server.url_of(info["path"])}
+        served = self._bucket_servers[self.remote[url]]  # init() or resend() started it
+        return {**info, "path": "", "url": served.url_of(info["path"])}
 
     def _produce(
         self,
@@ -401,8 +414,10 @@ class ShmTransport:
 
     def resend(self, url: str) -> tuple[int, Callable[[], dict[str, float]]]:
         """Called by ``WeightSync.rejoin`` for a restarted server (``url``, serving its start-up
-        weights), before it is paused: initialise its transfer engine again, and return the last
-        pushed version with the send of the kept copy of that version, in full. Needs
+        weights), or one joining the run, before it is paused: initialise its transfer engine
+        (again), and return the last pushed version with the send of the kept copy of that
+        version, in full. A joiner on another host than this one's ``serve_host`` is served the
+        buckets over HTTP from the address of this host that routes to it. Needs
         ``keep_served`` (or ``delta``)."""
         if self._base is None or self._base_key is None:
             raise WeightSyncError(
@@ -412,6 +427,8 @@ class ShmTransport:
                 "a push that failed leaves it holding none until the next one succeeds)"
             )
         base, key = self._base, self._base_key
+        if url not in self.remote and not same_host(url, None, "", self.serve_host):
+            self._serve(url)  # a joiner on another host
         asyncio.run(self._init_engines([url]))
 
         def send() -> dict[str, float]:
@@ -427,9 +444,9 @@ class ShmTransport:
         """Called once, at the end of the run: stop serving buckets to other hosts, delete the
         bucket files."""
         self._remove_files()
-        if self._buckets_server is not None:
-            self._buckets_server.close()
-            self._buckets_server = None
+        for served in self._bucket_servers.values():
+            served.close()
+        self._bucket_servers.clear()
 
 
 class _DeltaRefused(Exception):
@@ -467,7 +484,7 @@ class BucketServer:
     servers on other hosts, from a thread: the cross-host transport of the shm backend. A server
     fetches the same checksummed bytes a local one reads from the file, during its
     ``/update_weights`` call, so a file is deleted only after every server has it. The names
-    carry a random part; the address is the trainer node's, for the cluster's own network."""
+    carry a random part; the address is this host's on the route to the servers it serves."""
 
     def __init__(self, directory: Path, prefix: str, host: str) -> None:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
