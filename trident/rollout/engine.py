@@ -203,7 +203,9 @@ class VLLMClient:
 
     async def wake_up(self) -> None:
         """Take the GPU memory back after ``sleep`` (the weights as they were at level 1)."""
-        await self._post("/wake_up", timeout=self.timeout_s)
+        body = await self._post("/wake_up", timeout=self.timeout_s)
+        if body.get("status") != "awake":
+            raise EngineError(f"{self.url}/wake_up: still asleep after waking ({body})")
 
     async def reset_prefix_cache(self) -> bool:
         """Drop cached KV blocks (e.g. computed by older weights); False while requests hold
