@@ -19,10 +19,11 @@ The run: ``configs/agent_demo.yaml``'s calc_lookup environment (lookup, lookup -
 answer), from a short SFT warm-up on its demonstrations (so trajectories have several turns),
 ``pipeline.mode=separate_async`` with η=1, every sync verified and every install resetting the
 prefix caches as always. Per run: the prefix-cache hit rate over both servers (vLLM's
-``prefix_cache_hits``/``prefix_cache_queries`` counters, in tokens, over the run), the mean
-step seconds after the first step, and the turns per trajectory.
+``prefix_cache_hits``/``prefix_cache_queries`` counters, in tokens, over the run); after the
+first step, the mean step seconds, the trainer's mean wait for the rollout (the step's rollout
+time beyond what training hid) and the generated tokens per second; the turns per trajectory.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/prefix_cache.py     # ~15 min on 2 cores
+    PYTHONPATH=. .venv/bin/python benchmarks/prefix_cache.py     # ~20 min on 2 cores
 
 Writes ``benchmarks/results/prefix_cache.{json,md}``.
 """
@@ -108,13 +109,17 @@ def run(name: str, model: str, urls: list[str], out: Path, steps: int) -> dict:
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     metrics = read_metrics(out / name)
+    later = metrics[1:]
     return {
         "routing": name,
         "steps": len(metrics),
         "prefix_cache_hit_tokens": hits,
         "prefix_cache_query_tokens": queries,
         "hit_rate": hits / queries if queries else 0.0,
-        "step_s_mean_after_first": statistics.mean(m["time/step_s"] for m in metrics[1:]),
+        "step_s_mean_after_first": statistics.mean(m["time/step_s"] for m in later),
+        "wait_s_mean_after_first": statistics.mean(m["time/wait_s"] for m in later),
+        "generated_tokens_per_s": sum(m["rollout/generated_tokens"] for m in later)
+        / sum(m["time/step_s"] for m in later),
         "turns_per_trajectory": statistics.mean(m["agent/turns_mean"] for m in metrics),
         "max_abs_dlogp": max(m["sync/max_abs_dlogp"] for m in metrics),
     }
@@ -127,16 +132,19 @@ def markdown(result: dict) -> str:
         "",
         f"{p['date']}, commit `{p['commit']}`, {p['host']['cpu']} ({p['host']['cores']} cores).",
         f"calc_lookup, separate_async η=1, 2 vLLM-CPU servers, {result['steps']} steps x 8 "
-        f"prompts x 4 samples, SFT warm-up of {result['sft_steps']} steps.",
+        f"prompts x 4 samples, SFT warm-up of {result['sft_steps']} steps. Step seconds, the "
+        "trainer's wait for the rollout and generated tokens per second: means over the steps "
+        "after the first.",
         "",
-        "| KV block tokens | routing | hit rate | hit / query tokens "
-        "| step s (mean after the first) | turns per trajectory | max abs dlogp |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| KV block tokens | routing | hit rate | hit / query tokens | step s | trainer waits s "
+        "| generated tokens / s | turns per trajectory | max abs dlogp |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["runs"]:
         lines.append(
             f"| {r['block_size']} | {r['routing']} | {r['hit_rate']:.1%} | {r['prefix_cache_hit_tokens']:.0f} / "
             f"{r['prefix_cache_query_tokens']:.0f} | {r['step_s_mean_after_first']:.2f} | "
+            f"{r['wait_s_mean_after_first']:.2f} | {r['generated_tokens_per_s']:.0f} | "
             f"{r['turns_per_trajectory']:.2f} | {r['max_abs_dlogp']:.1e} |"
         )
     return "\n".join(lines) + "\n"
@@ -161,7 +169,7 @@ def with_servers(model: str, work: Path, block: int, args: argparse.Namespace) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument(
         "--block-sizes", type=int, nargs="+", default=[128, 32],

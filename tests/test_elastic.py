@@ -52,20 +52,21 @@ def _rollout(cmd: str, url: str, run_dir: Path, tag: str, code: int = 0) -> str:
 
 
 def test_servers_join_die_and_leave_a_running_job_and_nothing_is_lost(tiny_model, tmp_path):
-    """A and B are up; the run starts on A with ``rollout.min_servers=1``. After step 1, B joins
-    (``trident rollout join``; a second join is refused: ``rollout.max_servers=2``); after the
-    next step A is killed (SIGTERM, mid-generation: its
-    requests are resubmitted to B from their prefixes) and left out; after the next, B leaves
-    (``trident rollout leave``: its requests in flight finish first). With no server up the run
-    waits and says so, until C (``trident rollout serve --join``) joins; it finishes on C. C
-    listens on 127.0.0.2, an address that is not the run's (loopback, ``127.0.0.1``): to the run
-    it is on another host, and it takes every sync's buckets over HTTP (the cross-host path).
+    """A is up; the run starts on A with ``rollout.min_servers=1``. B (``trident rollout serve
+    --join``, started with the run) joins once the run reads its fleet; asked again (``trident
+    rollout join``) it is routed to already, and a third server is refused
+    (``rollout.max_servers=2``). After the next step A is killed (SIGTERM to a server the run
+    attached: mid-generation, its requests are resubmitted to B from their prefixes) and left
+    out; after the next, SIGTERM to B drains it (its requests in flight finish on it, then it
+    deregisters and stops; ``trident rollout leave`` answers at once since it has left). With
+    no server up the run waits and says so, until C (``serve --join``) joins; it finishes on C.
+    C listens on 127.0.0.2, an address that is not the run's (loopback, ``127.0.0.1``): to the
+    run it is on another host, and it takes every sync's buckets over HTTP (the cross-host path).
 
     Each joiner's samples come only after its verified sync; every drawn prompt is trained
     exactly once; staleness stays within η; every sync is verified; the fleet size is logged."""
     tag = uuid.uuid4().hex
     a, url_a = _serve(tiny_model, tmp_path / "a", tag)
-    b, url_b = _serve(tiny_model, tmp_path / "b", tag)
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "trident.cli", "train", f"model.path={tiny_model}",
@@ -77,22 +78,30 @@ def test_servers_join_die_and_leave_a_running_job_and_nothing_is_lost(tiny_model
     ]  # fmt: skip
     (tmp_path / "run").mkdir()
     run = Run(cmd, tag, tmp_path)  # its output: tmp_path/output.txt
-    c = None
+    b = c = None
     try:
-        run.wait_for(lambda: _steps_done(run_dir) >= 1)
-        joined = _rollout("join", url_b, run_dir, tag)
-        assert f"{url_b} joined" in joined
+        run.wait_for(lambda: (run_dir / "config.yaml").exists())
+        t0 = time.monotonic()
+        b, url_b = _serve(tiny_model, tmp_path / "b", tag, "--join", str(run_dir))
+        assert f"joined {run_dir}" in b.output
+        print(f"serve --join with the run's start: routed to in {time.monotonic() - t0:.1f} s")
+        at_join = _steps_done(run_dir)
         assert "in 0.0 s" in _rollout("join", url_b, run_dir, tag)  # routed to already
         third = "http://127.0.0.1:9"  # refused before anything is asked of it
         refused = _rollout("join", third, run_dir, tag, code=2)
         assert f"refused {third}: rollout.max_servers=2 are up" in refused
-        at_join = _steps_done(run_dir)
         run.wait_for(lambda: _steps_done(run_dir) >= at_join + 1)
         a.proc.send_signal(signal.SIGTERM)  # mid-generation: streaming never stops
         run.wait_for(lambda: f"({url_a}) is down: left out" in run.output)
         at_kill = _steps_done(run_dir)
         run.wait_for(lambda: _steps_done(run_dir) >= at_kill + 1)
-        assert "left" in _rollout("leave", url_b, run_dir, tag)
+        b.proc.send_signal(signal.SIGTERM)  # drains: the run stops sending, in-flight finish
+        b.finish(timeout=300)
+        assert f"left {run_dir}" in b.output, b.output[-2000:]
+        drained = re.search(rf"\({re.escape(url_b)}\) left after .*", run.output)
+        assert drained, run.output[-3000:]
+        print(drained.group(0))
+        assert "left" in _rollout("leave", url_b, run_dir, tag)  # it has: answered at once
         run.wait_for(
             lambda: "waiting for rollout servers: 0 up, rollout.min_servers=1" in run.output
         )
@@ -127,9 +136,13 @@ def test_servers_join_die_and_leave_a_running_job_and_nothing_is_lost(tiny_model
     # a joiner's samples end with versions pushed to it after it joined, each verified
     assert min(r["version_max"] for r in by_server[url_b]) >= at_join - 1
     assert min(r["version_max"] for r in by_server[url_c]) >= before_c
-    # C, on "another host", fetched its first install and every later sync over HTTP
-    (log_c,) = (run_dir / "logs").glob("vllm_server_joined_*.log")
-    assert "buckets via http" in log_c.read_text() and "via shm" not in log_c.read_text()
+    # C, on "another host", fetched its first install and every later sync over HTTP; B, on
+    # this one, read the shared-memory files
+    logs = {
+        s: (run_dir / "logs" / f"vllm_server_joined_{s.proc.pid}.log").read_text() for s in (b, c)
+    }
+    assert "buckets via http" in logs[c] and "via shm" not in logs[c]
+    assert "buckets via shm" in logs[b] and "via http" not in logs[b]
     assert metrics[-1]["sync/http_servers"] == 1
     last = metrics[-1]
     for unit in ("samples", "tokens"):
