@@ -47,6 +47,7 @@ from trident.data.loaders import write_jsonl
 from trident.envs import env_rows
 from trident.models.factory import init_model
 from trident.pipeline.run import run_train
+from trident.rollout.engine import metric_sums
 from trident.rollout.fleet import server_options
 from trident.rollout.router import Router
 from trident.rollout.vllm_server import VLLMServer
@@ -60,13 +61,8 @@ COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
 
 def counters(url: str) -> tuple[float, float]:
     """The server's prefix-cache hits and queries so far, in tokens."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    sums = dict.fromkeys(COUNTERS, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in sums:
-            sums[name] += float(line.rsplit(" ", 1)[1])
-    return sums[COUNTERS[0]], sums[COUNTERS[1]]
+    found = metric_sums(httpx.get(f"{url}/metrics", timeout=10).text, COUNTERS)
+    return found.get(COUNTERS[0], 0.0), found.get(COUNTERS[1], 0.0)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import ssl
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -70,6 +71,18 @@ PROGRESS_METRICS = (
 )
 
 DROPPED_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+def metric_sums(page: str, names: Collection[str]) -> dict[str, float]:
+    """Each of ``names`` in a Prometheus ``/metrics`` page, summed over its labels (a name the
+    page lacks is left out)."""
+    found: dict[str, float] = {}
+    for line in page.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            with contextlib.suppress(ValueError):
+                found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
 
 
 @functools.cache
@@ -249,12 +262,7 @@ class VLLMClient:
             return None
         if r.status_code != 200:
             return None
-        found: dict[str, float] = {}
-        for line in r.text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in PROGRESS_METRICS:
-                with contextlib.suppress(ValueError):
-                    found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        found = metric_sums(r.text, PROGRESS_METRICS)
         return tuple(found[n] for n in PROGRESS_METRICS) if len(found) == 3 else None
 
     async def aclose(self) -> None:
