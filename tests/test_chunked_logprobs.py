@@ -1,8 +1,6 @@
 """Logprobs and entropies in vocabulary chunks (``trainer.logprob_chunk_tokens``) equal the
 whole-grid path: values, and the gradients of a loss that uses both, on the tiny model."""
 
-from typing import cast
-
 import pytest
 import torch
 
@@ -99,18 +97,21 @@ def test_the_head_alone_against_autograd(dtype):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-def _fsdp_rank(rank: int, world: int, path: str, port: int, results) -> None:
-    from torch.distributed.tensor import DTensor
+def _fsdp_rank(rank: int, world: int, root_only: bool, path: str, port: int, results) -> None:
+    from torch.distributed.fsdp import fully_shard
 
     from trident.train.fsdp import init_distributed, shard
+    from trident.weights.tensors import full_tensor
 
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port)
-    model = shard(load_causal_lm(path))
+    # one rank: trident's shard leaves a float32 model unwrapped; FSDP2 wraps the root alone
+    # there only for mixed precision on a GPU, the path root_only runs here
+    model = fully_shard(load_causal_lm(path)) if root_only else shard(load_causal_lm(path))
     batch = _batch(model.config.vocab_size, seed=rank)  # each rank its own rows
     runs = [_logp_and_grads(model, batch, 0.8, chunk) for chunk in (0, 5)]
     # the sharded gradients, whole (collective)
-    grads = [{n: cast(DTensor, g).full_tensor() for n, g in run[2].items()} for run in runs]
+    grads = [{n: full_tensor(g) for n, g in run[2].items()} for run in runs]
     if rank == 0:  # plain numbers: tensors in the queue would outlive their process's memory
         (logp0, ent0, _), (logp, ent, _) = runs
         errors = {
@@ -120,11 +121,11 @@ def _fsdp_rank(rank: int, world: int, path: str, port: int, results) -> None:
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_under_fsdp2(tiny_model, world):
-    """FSDP2 on one rank (only the root wrapped: its backward hooks must still run) and on two
-    (layers and root sharded): the head, used after the root's forward, has its gradient reduced
-    with the rest; chunked = whole grid, as without FSDP."""
+@pytest.mark.parametrize(("world", "root_only"), [(1, False), (1, True), (2, False)])
+def test_under_fsdp2(tiny_model, world, root_only):
+    """One rank unwrapped, one rank with only the root wrapped (its backward hooks must still
+    run), and two (layers and root sharded): the head, used after the root's forward, has its
+    gradient reduced with the rest; chunked = whole grid, as without FSDP."""
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import start_processes
 
@@ -133,7 +134,7 @@ def test_under_fsdp2(tiny_model, world):
     results = mp.get_context("spawn").SimpleQueue()
     start_processes(
         _fsdp_rank,
-        args=(world, tiny_model, free_port(), results),
+        args=(world, root_only, tiny_model, free_port(), results),
         nprocs=world,
         start_method="spawn",
     )

@@ -51,6 +51,24 @@ def _train_cmd(model: str, run_dir: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def test_a_cpu_servers_engine_threads(tmp_path):
+    """rollout.cpu_threads=0: one thread for a narrow model, else the cores split among the
+    processes generating at once; a number given is taken as it is."""
+    for hidden in (128, 512):
+        (tmp_path / str(hidden)).mkdir()
+        (tmp_path / str(hidden) / "config.json").write_text(json.dumps({"hidden_size": hidden}))
+    cores = len(os.sched_getaffinity(0))
+
+    def threads(hidden: int, **options) -> str:
+        server = VLLMServer(str(tmp_path / str(hidden)), tmp_path / "log", port=1, **options)
+        return server.env["OMP_NUM_THREADS"]
+
+    assert threads(128) == threads(128, cpu_sharing=3) == "1"
+    assert threads(512) == str(cores)
+    assert threads(512, cpu_sharing=cores + 1) == "1"
+    assert threads(128, cpu_threads=3) == threads(512, cpu_threads=3) == "3"
+
+
 def test_exception_mid_run_leaves_no_process(tiny_model, tmp_path):
     tag = uuid.uuid4().hex
     # An impossible tolerance makes the first weight-sync verification fail: an exception raised
@@ -72,7 +90,7 @@ def test_exception_mid_run_leaves_no_process(tiny_model, tmp_path):
 def test_ctrl_c_or_kill_leaves_no_process(sig, code, tiny_model, tmp_path):
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(
-        _train_cmd(tiny_model, tmp_path),
+        _train_cmd(tiny_model, tmp_path, "rollout.cpu_threads=2"),
         env=tagged_env(tag),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -87,6 +105,9 @@ def test_ctrl_c_or_kill_leaves_no_process(sig, code, tiny_model, tmp_path):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(1)
     assert metrics.exists(), "training never started"
+    # the engine computes on the threads asked for, not on the one its Ray actor was given
+    environ = Path(f"/proc/{engine_core(tag, tmp_path)}/environ").read_bytes().split(b"\0")
+    assert b"OMP_NUM_THREADS=2" in environ
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == code, out[-3000:]

@@ -22,7 +22,7 @@ import torch
 from trident.config.schema import SyncConfig
 from trident.models.factory import init_model
 from trident.models.load import load_causal_lm, load_tokenizer
-from trident.rollout.engine import VLLMClient
+from trident.rollout.engine import Completion, SamplingParams, VLLMClient
 from trident.rollout.vllm_server import VLLMServer
 from trident.weights import buckets, shm
 from trident.weights.backend import make_transport
@@ -441,6 +441,35 @@ def test_unreachable_server_is_named() -> None:
         WeightSyncError, match="http://127.0.0.1:9: /init_weight_transfer_engine failed"
     ):
         dead.init()
+
+
+def test_seeded_prompts_beyond_one_engine_steps_budget_are_sampled(
+    url: str, checkpoint: str
+) -> None:
+    """``run.deterministic`` seeds every request. vLLM cannot rewind a seeded request's CPU
+    generator when an engine step samples some requests while it splits another's prompt (its
+    engine core died: "CPU Generator does not use offset"), so trident's CPU servers never split
+    a prompt. 32 different 200-token prompts at once (6400 tokens, over one step's 2048): all
+    sampled, and the server still answers."""
+    tokenizer = load_tokenizer(checkpoint)
+    prompts = [make_probe(tokenizer, 200, seed=i) for i in range(32)]
+
+    async def run() -> list[list[Completion]]:
+        client = VLLMClient(url)
+        try:
+            return await asyncio.gather(
+                *(
+                    client.generate(p, SamplingParams(max_tokens=4, seed=i))
+                    for i, p in enumerate(prompts)
+                )
+            )
+        finally:
+            await client.aclose()
+
+    completions = [c for group in asyncio.run(run()) for c in group]
+    assert len(completions) == 32
+    assert all(c.finish_reason in ("stop", "length") and c.token_ids for c in completions)
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
 
 # ---------------------------------------------------------------------------------------------

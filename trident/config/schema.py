@@ -240,9 +240,7 @@ class EnvConfig(Section):
         description="Render the tool schemas in the prompt; false saves their tokens for a model fine-tuned on the tools (SFT data: `trident env data --no-tools`).",
     )
     timeout_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="Timeout of each env.reset / env.step call (an infra_error).",
+        default=60.0, gt=0, description="Timeout of each env.reset / env.step call (infra_error)."
     )
 
 
@@ -258,16 +256,18 @@ class RolloutConfig(Section):
         default_factory=list, description="Extra stop strings (the tokenizer's EOS always stops)."
     )
     base_port: int = Field(
-        default=0,
-        ge=0,
-        le=65535,
-        description="Port of server 0 (server i uses base_port + i); 0 = any free port.",
+        default=0, ge=0, le=65535, description="Port of server 0 (server i: base_port + i); 0: any."
     )
     max_model_len: int = Field(
         default=512, ge=16, description="Context length the servers allocate for."
     )
     kv_cache_gib: float = Field(
         default=1.0, gt=0, description="KV cache size per CPU server (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    cpu_threads: int = Field(
+        default=0,
+        ge=0,
+        description="Torch threads of each CPU server's engine (OMP_NUM_THREADS). 0 = auto: one for a model of hidden size under 512, whose matrices are too small for a second thread to pay; else the host's cores split among the processes generating at once (the servers; in async modes the trainer ranks too).",
     )
     gpu_memory_utilization: float = Field(
         default=0.5, gt=0, le=1, description="Fraction of GPU memory per GPU server."

@@ -41,6 +41,9 @@ def server_options(cfg: TridentConfig, weight_transfer: str | None) -> dict[str,
         extra_args=args,
         extra_env=env,
         seed=cfg.run.seed,
+        cpu_threads=rc.cpu_threads,
+        # sync mode: the trainer ranks idle while the servers generate
+        cpu_sharing=rc.num_servers + (cfg.trainer.num_ranks if cfg.pipeline.mode != "sync" else 0),
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -54,6 +55,58 @@ def lora_server_args(r: int) -> tuple[list[str], dict[str, str]]:
     return args, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
+# Below this hidden size one torch thread generates faster than two: the matrices are too small
+# for a second thread to pay (2 cores, the demo's rollout of 256 samples: hidden 128, 0.30 s on one
+# thread vs 0.41 s on two; the small preset's 128 x 32 tokens: hidden 512, 3.9 s vs 2.55 s).
+ONE_THREAD_BELOW_HIDDEN = 512
+
+
+def engine_threads(model_path: str, sharing: int) -> int:
+    """Torch threads for a CPU server's engine (``rollout.cpu_threads=0``): one for a model
+    narrower than ``ONE_THREAD_BELOW_HIDDEN``, else this host's cores split among the
+    ``sharing`` processes that generate at once. Left alone, a server started by a Ray actor would
+    inherit the actor's ``OMP_NUM_THREADS=1``."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        hidden = int(config.get("hidden_size", ONE_THREAD_BELOW_HIDDEN))
+    except (OSError, ValueError, TypeError):
+        hidden = ONE_THREAD_BELOW_HIDDEN
+    if hidden < ONE_THREAD_BELOW_HIDDEN:
+        return 1
+    return max(1, len(os.sched_getaffinity(0)) // max(1, sharing))
+
+
+def cpu_options(
+    model_path: str, max_model_len: int, cpu_threads: int, cpu_sharing: int
+) -> tuple[list[str], dict[str, str]]:
+    """The arguments and environment of a server on CPU."""
+    # The eager path starts ~60 s sooner than the compiled one; for small models on CPU the
+    # scheduler, not the kernels, bounds throughput. The model runs in the engine-core process
+    # ("uni"), not in a third worker process: each vLLM process imports torch and vLLM again, so
+    # this halves the start (tiny model, 2 cores: 43.6 -> 22.6 s) and saves a process hop per step
+    # (16 x 64 tokens, 3 requests: 1.89 -> 1.29 s).
+    args = ["--enforce-eager", "--distributed-executor-backend", "uni"]
+    # A seeded request (run.deterministic) samples from its own CPU torch.Generator, which vLLM
+    # rewinds (Generator.set_offset, CUDA-only) when a step samples some requests while it splits
+    # another's prompt: "CPU Generator does not use offset" kills the engine core once a step's
+    # prompts exceed its token budget (2048). So prompts are not split on CPU; a step's budget
+    # then holds the longest prompt.
+    budget = max(2048, max_model_len)
+    args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
+    env = {
+        # vLLM's CPU platform takes "uni" only when told its engine is not multiprocess
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "TRIDENT_VLLM_FORK": "1",  # fork the engine core (vllm_plugin.py)
+        # The model already runs eagerly (--enforce-eager); what vLLM still torch.compiles is a
+        # few helpers, among them the logprob ranks every request computes, which inductor
+        # builds into C++ on the server's first request: 1.5-2.3 s of each server's first
+        # answer on 2 cores (rollout tokens/s unchanged without it, measured).
+        "TORCH_COMPILE_DISABLE": "1",
+        "OMP_NUM_THREADS": str(cpu_threads or engine_threads(model_path, cpu_sharing)),
+    }
+    return args, env
+
+
 class VLLMServer:
     """One vLLM server process: ``start()`` -> url, ``healthy()``, ``stop()``."""
 
@@ -72,6 +125,8 @@ class VLLMServer:
         extra_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
         seed: int = 0,
+        cpu_threads: int = 0,
+        cpu_sharing: int = 1,
     ) -> None:
         self.model_path, self.host = model_path, host
         self.port = port or free_port()
@@ -101,16 +156,12 @@ class VLLMServer:
         ]
         if weight_transfer_backend:
             args += ["--weight-transfer-config", f'{{"backend": "{weight_transfer_backend}"}}']
-        cpu = _on_cpu()
-        if cpu:
-            # The eager path starts ~60 s sooner than the compiled one; for small models on CPU the
-            # scheduler, not the kernels, bounds throughput. The model runs in the engine-core
-            # process ("uni"), not in a third worker process: each vLLM process imports torch and
-            # vLLM again, so this halves the start (tiny model, 2 cores: 43.6 -> 22.6 s) and
-            # saves a process hop per step (16 x 64 tokens, 3 requests: 1.89 -> 1.29 s).
-            args += ["--enforce-eager", "--distributed-executor-backend", "uni"]
+        cpu_args, cpu_env = [], {}
+        if _on_cpu():
+            cpu_args, cpu_env = cpu_options(model_path, max_model_len, cpu_threads, cpu_sharing)
         else:
             args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        args += cpu_args
         self.args = args + list(extra_args)
         self.env = {
             **os.environ,
@@ -125,14 +176,7 @@ class VLLMServer:
             # processes by it, the tests by their tag)
             "SPT_NOENV": "1",
         }
-        if cpu:  # vLLM's CPU platform takes "uni" only when told its engine is not multiprocess
-            self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            self.env["TRIDENT_VLLM_FORK"] = "1"  # fork the engine core (vllm_plugin.py)
-            # The model already runs eagerly (--enforce-eager); what vLLM still torch.compiles
-            # is a few helpers, among them the logprob ranks every request computes, which
-            # inductor builds into C++ on the server's first request: 1.5-2.3 s of each server's
-            # first answer on 2 cores (rollout tokens/s unchanged without it, measured).
-            self.env["TORCH_COMPILE_DISABLE"] = "1"
+        self.env.update(cpu_env)
         if weight_transfer_backend == "ipc":  # vLLM's ipc backend ships pickled CUDA IPC handles
             self.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self.env.update(extra_env or {})
