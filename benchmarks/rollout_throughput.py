@@ -1,10 +1,20 @@
 """Rollout throughput: trident's vLLM rollout against HF ``generate`` (what TRL uses without
-vLLM), same model, same prompts, same sampling settings, in one run.
+vLLM), same model, same prompts, same sampling settings, on two shapes in one run.
 
-    python benchmarks/rollout_throughput.py [--model DIR] [--prompts 64] [--n 8] [--max-tokens 32]
+    python benchmarks/rollout_throughput.py [--long-model DIR] [--prompts 16] [--n 8]
 
-Writes ``benchmarks/results/rollout_throughput.{json,md}``. Tokens/s counts generated tokens
-only; the vLLM side includes HTTP and the router, i.e. what the RL loop pays.
+- ``fixed``: the ``small`` preset (~25 M parameters) as initialised, whose responses all run to
+  their 32-token cap: the kernels' shape;
+- ``long-tailed``: the ``long`` recipe's warm-up of ``benchmarks/vs_trl.py`` (a scratch line of
+  log-normal length before the answer, up to 256 new tokens; ``--long-model``, default
+  ``runs/bench-vs-trl/long-sft/model``, built by ``vs_trl.py --recipe long``; the shape is
+  skipped without it): HF ``generate`` pays each batch's longest response, vLLM's continuous
+  batching does not.
+
+Each side generates the same prompts once after a warm-up; trident's servers start as a run's
+do (``rollout.cpu_threads`` auto: in ``sync`` mode every core while the trainer waits). Writes
+``benchmarks/results/rollout_throughput.{json,md}``. Tokens/s counts generated tokens only; the
+vLLM side includes HTTP and the router, i.e. what the RL loop pays.
 """
 
 from __future__ import annotations
@@ -67,85 +77,80 @@ async def vllm_generate(
     return sum(len(c.token_ids) for group in results for c in group), elapsed
 
 
+def measure(model: str, work: Path, prompts: int, n: int, max_tokens: int) -> list[dict]:
+    """Both sides on ``model``: the fleet a run would start, then HF ``generate`` in batches of
+    16 prompts (``n`` samples each)."""
+    from trident.rollout.fleet import RolloutFleet
+
+    cfg = load_config(
+        [],
+        [f"model.path={model}", f"run.dir={work}", "run.name=bench", f"data.num_test={prompts}"],
+    )
+    tok = load_tokenizer(model)
+    ids = [encode_chat(tok, prompt_messages(r["prompt"])) for r in load_split(cfg.data, "test")]
+    ids = ids[:prompts]
+    with RolloutFleet(cfg, model, work) as fleet:
+        asyncio.run(vllm_generate(fleet.router, ids[:4], 1, 4))  # warm-up
+        v_tokens, v_time = asyncio.run(vllm_generate(fleet.router, ids, n, max_tokens))
+    hf_generate(model, ids[:2], 1, 4, 2)  # warm-up
+    h_tokens, h_time = hf_generate(model, ids, n, max_tokens, 16)
+    return [
+        {"engine": "trident rollout (vLLM server, HTTP)", "tokens": v_tokens, "seconds": v_time},
+        {"engine": "HF generate (batched)", "tokens": h_tokens, "seconds": h_time},
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="checkpoint (default: a fresh tiny model)")
-    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--long-model", default="runs/bench-vs-trl/long-sft/model")
+    ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--hf-batch", type=int, default=16, help="prompts per HF generate call")
     args = ap.parse_args()
 
     from trident.cluster.ray_cluster import init_ray
-    from trident.rollout.fleet import RolloutFleet
 
     work = Path(tempfile.mkdtemp(prefix="trident-bench-"))
-    model = args.model or str(init_model(work / "tiny", "tiny"))
-    cfg = load_config(
-        [],
-        [
-            f"model.path={model}",
-            f"run.dir={work}",
-            "run.name=bench",
-            f"data.num_test={args.prompts}",
-        ],
-    )
-    tok = load_tokenizer(model)
-    prompts = [
-        encode_chat(tok, prompt_messages(r["prompt"]))
-        for r in load_split(cfg.data, "test")[: args.prompts]
-    ]
-
-    init_ray(cfg.cluster)
-    with RolloutFleet(cfg, model, work) as fleet:
-        asyncio.run(vllm_generate(fleet.router, prompts[:4], 1, 4))  # warm-up
-        v_tokens, v_time = asyncio.run(
-            vllm_generate(fleet.router, prompts, args.n, args.max_tokens)
-        )
-    hf_generate(model, prompts[:2], 1, 4, 2)  # warm-up
-    h_tokens, h_time = hf_generate(model, prompts, args.n, args.max_tokens, args.hf_batch)
-
-    rows = [
-        {
-            "engine": "trident rollout (vLLM server, HTTP)",
-            "tokens": v_tokens,
-            "seconds": v_time,
-            "tokens_per_s": v_tokens / v_time,
-        },
-        {
-            "engine": "HF generate (batched)",
-            "tokens": h_tokens,
-            "seconds": h_time,
-            "tokens_per_s": h_tokens / h_time,
-        },
-    ]
-    ratio = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
-    result = {
+    shapes = {"fixed": (str(init_model(work / "small", "small")), 32)}
+    if (Path(args.long_model) / "config.json").exists():
+        shapes["long-tailed"] = (args.long_model, 256)
+    init_ray(load_config([], []).cluster)
+    result: dict = {
         "benchmark": "rollout_throughput",
-        "model": model,
         "prompts": args.prompts,
         "n": args.n,
-        "max_tokens": args.max_tokens,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, cuda={torch.cuda.is_available()}",
-        "rows": rows,
-        "speedup_vs_hf_generate": ratio,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+        f"cuda={torch.cuda.is_available()}",
+        "shapes": [],
     }
+    md = [
+        f"Rollout throughput: {args.prompts} prompts x {args.n} samples at temperature 1.0 "
+        f"({result['machine']}).",
+        "",
+        "| shape | model | max new tokens | engine | generated tokens | seconds | tokens/s |",
+        "|---|---|---:|---|---:|---:|---:|",
+    ]
+    for shape, (model, max_tokens) in shapes.items():
+        rows = measure(model, work / shape, args.prompts, args.n, max_tokens)
+        for r in rows:
+            r["tokens_per_s"] = r["tokens"] / r["seconds"]
+            md.append(
+                f"| {shape} | {Path(model).parent.name if shape != 'fixed' else 'small'} | "
+                f"{max_tokens} | {r['engine']} | {r['tokens']} | {r['seconds']:.2f} | "
+                f"{r['tokens_per_s']:.0f} |"
+            )
+        ratio = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+        result["shapes"].append(
+            {"shape": shape, "model": model, "max_tokens": max_tokens, "rows": rows,
+             "speedup_vs_hf_generate": ratio}
+        )  # fmt: skip
+    md.append("")
+    md += [
+        f"**{s['shape']}: trident / HF generate {s['speedup_vs_hf_generate']:.2f}x**"
+        for s in result["shapes"]
+    ]
+    md.append("")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "rollout_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
-    md = [
-        f"Rollout throughput: {args.prompts} prompts x {args.n} samples, up to {args.max_tokens} new tokens, "
-        f"temperature 1.0 ({result['machine']}).",
-        "",
-        "| engine | generated tokens | seconds | tokens/s |",
-        "|---|---:|---:|---:|",
-        *(
-            f"| {r['engine']} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} |"
-            for r in rows
-        ),
-        "",
-        f"**trident / HF generate: {ratio:.1f}x**",
-        "",
-    ]
     (RESULTS / "rollout_throughput.md").write_text("\n".join(md))
     print("\n".join(md))
 

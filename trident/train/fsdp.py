@@ -89,14 +89,15 @@ def shard(model: ModuleT, compute_dtype: str = "float32") -> ModuleT:
     ``MixedPrecisionPolicy``); logprobs are taken in float32 either way (``token_logprobs``).
 
     On one rank FSDP2 shards nothing, and its DTensor parameters cost the optimizer and the
-    gradient clip their per-tensor dispatch: there the model is left unwrapped unless it computes
-    in a half precision over float32 master weights (the mixed-precision policy is FSDP2's). On
-    the demo recipe's grids the step was 1.17x its plain-PyTorch floor wrapped and 1.09x unwrapped
-    (median of 12, interleaved, 2 runs each). Where it is wrapped on one rank, a small model has
-    only the root wrapped (per-layer hooks cost ~25% of a tiny model's step on CPU); a large one
-    (``PER_LAYER_PARAMS``) is wrapped per layer: the root alone keeps an unsharded copy of every
-    parameter and of every gradient through the whole backward pass (measured at Qwen2.5-0.5B's
-    shape: the rank reached 14 GB and was killed; per layer, one layer's copies at a time)."""
+    gradient clip their per-tensor dispatch: there a model under ``PER_LAYER_PARAMS`` is left
+    unwrapped unless it computes in a half precision over float32 master weights (the
+    mixed-precision policy is FSDP2's). On the demo recipe's grids the step was 1.17x its
+    plain-PyTorch floor wrapped and 1.09x unwrapped (median of 12, interleaved, 2 runs each).
+    Wrapped on one rank, a small model has only the root wrapped (per-layer hooks cost ~25% of a
+    tiny model's step on CPU); a large one is wrapped per layer: the root alone keeps an
+    unsharded copy of every parameter and of every gradient through the whole backward pass
+    (measured at Qwen2.5-0.5B's shape: the rank reached 14 GB and was killed; per layer, one
+    layer's copies at a time)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs = {}
@@ -104,9 +105,9 @@ def shard(model: ModuleT, compute_dtype: str = "float32") -> ModuleT:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32
         )
-    if dist.get_world_size() == 1 and not kwargs:
-        return model
     large = sum(p.numel() for p in model.parameters()) >= PER_LAYER_PARAMS
+    if dist.get_world_size() == 1 and not kwargs and not large:
+        return model
     if dist.get_world_size() > 1 or large:
         for layer in _decoder_layers(model):
             fully_shard(layer, **kwargs)
