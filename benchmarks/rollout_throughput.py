@@ -110,9 +110,9 @@ def main() -> None:
     from trident.cluster.ray_cluster import init_ray
 
     work = Path(tempfile.mkdtemp(prefix="trident-bench-"))
-    shapes = {"fixed": (str(init_model(work / "small", "small")), 32)}
+    shapes = {"fixed": ("small", str(init_model(work / "small", "small")), 32)}
     if (Path(args.long_model) / "config.json").exists():
-        shapes["long-tailed"] = (args.long_model, 256)
+        shapes["long-tailed"] = ("long-sft", args.long_model, 256)
     init_ray(load_config([], []).cluster)
     result: dict = {
         "benchmark": "rollout_throughput",
@@ -129,12 +129,12 @@ def main() -> None:
         "| shape | model | max new tokens | engine | generated tokens | seconds | tokens/s |",
         "|---|---|---:|---|---:|---:|---:|",
     ]
-    for shape, (model, max_tokens) in shapes.items():
+    for shape, (label, model, max_tokens) in shapes.items():
         rows = measure(model, work / shape, args.prompts, args.n, max_tokens)
         for r in rows:
             r["tokens_per_s"] = r["tokens"] / r["seconds"]
             md.append(
-                f"| {shape} | {Path(model).parent.name if shape != 'fixed' else 'small'} | "
+                f"| {shape} | {label} | "
                 f"{max_tokens} | {r['engine']} | {r['tokens']} | {r['seconds']:.2f} | "
                 f"{r['tokens_per_s']:.0f} |"
             )

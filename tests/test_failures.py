@@ -51,24 +51,6 @@ def _train_cmd(model: str, run_dir: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def test_a_cpu_servers_engine_threads(tmp_path):
-    """rollout.cpu_threads=0: one thread for a narrow model, else the cores split among the
-    processes generating at once; a number given is taken as it is."""
-    for hidden in (128, 512):
-        (tmp_path / str(hidden)).mkdir()
-        (tmp_path / str(hidden) / "config.json").write_text(json.dumps({"hidden_size": hidden}))
-    cores = len(os.sched_getaffinity(0))
-
-    def threads(hidden: int, **options) -> str:
-        server = VLLMServer(str(tmp_path / str(hidden)), tmp_path / "log", port=1, **options)
-        return server.env["OMP_NUM_THREADS"]
-
-    assert threads(128) == threads(128, cpu_sharing=3) == "1"
-    assert threads(512) == str(cores)
-    assert threads(512, cpu_sharing=cores + 1) == "1"
-    assert threads(128, cpu_threads=3) == threads(512, cpu_threads=3) == "3"
-
-
 def test_exception_mid_run_leaves_no_process(tiny_model, tmp_path):
     tag = uuid.uuid4().hex
     # An impossible tolerance makes the first weight-sync verification fail: an exception raised

@@ -5,6 +5,8 @@ seconds with the message; ``trident train --dry-run`` prints the plan."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 from tests.conftest import run_cli
 from trident.cluster.placement import PlacementError, make_plan, plan_for, reserve
 from trident.config import load_config
+from trident.rollout.vllm_server import VLLMServer
 from trident.telemetry.metrics import read_metrics
 
 
@@ -137,3 +140,21 @@ def test_engines_sleep_through_the_train_stage_and_every_sync_verifies(level, ti
     assert all(m["sync/max_abs_dlogp"] < 0.1 for m in metrics)  # woken, synced, verified
     log = (tmp_path / "sleep" / "logs" / "vllm_server_0.log").read_text()
     assert log.count("Sleep mode freed") == 3  # once per train stage
+
+
+def test_a_cpu_servers_engine_threads(tmp_path):
+    """rollout.cpu_threads=0: one thread for a narrow model, else the cores split among the
+    processes generating at once; a number given is taken as it is."""
+    for hidden in (128, 512):
+        (tmp_path / str(hidden)).mkdir()
+        (tmp_path / str(hidden) / "config.json").write_text(json.dumps({"hidden_size": hidden}))
+    cores = len(os.sched_getaffinity(0))
+
+    def threads(hidden: int, **options) -> str:
+        server = VLLMServer(str(tmp_path / str(hidden)), tmp_path / "log", port=1, **options)
+        return server.env["OMP_NUM_THREADS"]
+
+    assert threads(128) == threads(128, cpu_sharing=3) == "1"
+    assert threads(512) == str(cores)
+    assert threads(512, cpu_sharing=cores + 1) == "1"
+    assert threads(128, cpu_threads=3) == threads(512, cpu_threads=3) == "3"

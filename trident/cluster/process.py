@@ -1,5 +1,5 @@
-"""Processes that must not outlive the one that started them (cheap to import: vLLM's processes
-import it through trident's plugin)."""
+"""Processes: their share of this host's cores, and not outliving the one that started them
+(cheap to import: vLLM's processes import it through trident's plugin)."""
 
 from __future__ import annotations
 
@@ -22,3 +22,9 @@ def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> Non
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
         if parent is not None and os.getppid() != parent:
             os.kill(os.getpid(), sig)
+
+
+def cores_each(sharing: int) -> int:
+    """This host's cores (those this process may run on) split among ``sharing`` processes
+    computing at once; at least one."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, sharing))

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from trident.cluster.net import check_port_free, free_port
-from trident.cluster.process import die_with_parent
+from trident.cluster.process import cores_each, die_with_parent
 from trident.rollout.engine import SERVED_MODEL
 
 
@@ -73,7 +73,7 @@ def engine_threads(model_path: str, sharing: int) -> int:
         hidden = ONE_THREAD_BELOW_HIDDEN
     if hidden < ONE_THREAD_BELOW_HIDDEN:
         return 1
-    return max(1, len(os.sched_getaffinity(0)) // max(1, sharing))
+    return cores_each(sharing)
 
 
 def cpu_options(
