@@ -19,9 +19,10 @@ from tests.conftest import REPO, Run, tagged_env, wait_gone
 from trident.telemetry.lineage import read_samples
 from trident.telemetry.metrics import read_metrics
 
-# 16 steps: enough left after B leaves for the run to wait for a joiner (at 8, one CI-like run
-# finished its steps while `trident rollout leave` started, once the trainer ran at nice 0)
-STEPS, PROMPTS, N = 16, 4, 2
+# Steps enough that B leaves long before the run could end: until the run takes A out, B serves
+# alone at the run's pace (~0.6 s a step). At 8, then at 16, a CI run finished every step before
+# C joined (here B left at step 7 to 9 of 16).
+STEPS, PROMPTS, N = 40, 4, 2
 
 
 def _serve(model: str, out: Path, tag: str, *extra: str) -> tuple[Run, str]:
@@ -106,6 +107,7 @@ def test_servers_join_die_and_leave_a_running_job_and_nothing_is_lost(tiny_model
             lambda: "waiting for rollout servers: 0 up, rollout.min_servers=1" in run.output
         )
         before_c = _steps_done(run_dir)
+        assert before_c < STEPS - 2, f"the run may end before C joins: {run.output[-3000:]}"
         t0 = time.monotonic()
         c, url_c = _serve(
             tiny_model, tmp_path / "c", tag, "--join", str(run_dir), "--host", "127.0.0.2"
