@@ -236,6 +236,38 @@ def test_a_process_whose_parent_died_before_it_asked_dies_at_once(told, tmp_path
     assert out.exists() is not told
 
 
+STUBBORN = """
+import os, signal, sys, time
+from trident.cluster.process import die_with_parent
+parent = os.getpid()
+if os.fork() == 0:
+    signal.signal(signal.SIGTERM, lambda *_: None)  # a shutdown that never ends
+    die_with_parent(parent=parent, kill_after_s=1.0)
+    open(sys.argv[1] + ".tmp", "w").write(str(os.getpid()))
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1] + ".pid")
+    time.sleep(60)
+    open(sys.argv[1], "w").write("outlived its parent")
+    os._exit(0)
+while not os.path.exists(sys.argv[1] + ".pid"):
+    time.sleep(0.05)
+os._exit(0)
+"""
+
+
+def test_a_process_that_ignores_its_parents_death_is_killed_after_the_grace(tmp_path):
+    """``die_with_parent(kill_after_s=...)``, as vLLM's API server arms it: the SIGTERM the
+    kernel sends when the parent dies is caught and ignored (a shutdown that hangs); the
+    process is killed ``kill_after_s`` later all the same."""
+    out = tmp_path / "outlived"
+    subprocess.run([sys.executable, "-c", STUBBORN, str(out)], check=True, timeout=60, cwd=REPO)
+    pid = int(out.with_suffix(".pid").read_text())
+    orphaned = time.monotonic()
+    while cmdline(pid) and time.monotonic() < orphaned + 30:
+        time.sleep(0.05)
+    assert not cmdline(pid) and not out.exists()
+    assert time.monotonic() - orphaned > 0.5  # not at once: the grace came first
+
+
 def test_a_hang_dump_says_which_process_is_stopped(tmp_path):
     """py-spy reads no stack of a stopped process; the dump names the process and says which of
     its tree is stopped, and still holds the stacks of the ones that run."""

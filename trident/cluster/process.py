@@ -7,9 +7,13 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+import time
 
 
-def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> None:
+def die_with_parent(
+    sig: int = signal.SIGTERM, parent: int | None = None, kill_after_s: float | None = None
+) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent dies (``PR_SET_PDEATHSIG``;
     Linux only, a no-op elsewhere). SIGTERM by default, so the process can stop its own children
     on the way out.
@@ -17,11 +21,26 @@ def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> Non
     ``parent``: the pid that started this process, when the caller knows it. The kernel sends
     nothing for a parent that died before the request (a window at every start: the process
     is then an orphan already), so if ``parent`` is no longer this process's parent, ``sig``
-    comes at once."""
+    comes at once.
+
+    ``kill_after_s`` (with ``parent``): a process whose shutdown on ``sig`` can hang (a vLLM API
+    server caught mid-start) is killed that long after its parent died, by a daemon thread
+    that watches the parent (not called before ``exec``: threads do not survive it)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+        if kill_after_s is not None and parent is not None:
+            threading.Thread(
+                target=_kill_after_orphaned, args=(parent, kill_after_s), daemon=True
+            ).start()
         if parent is not None and os.getppid() != parent:
             os.kill(os.getpid(), sig)
+
+
+def _kill_after_orphaned(parent: int, grace_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    time.sleep(grace_s)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def cores_each(sharing: int) -> int:

@@ -119,22 +119,27 @@ def register() -> None:
 
 PARENT_PID = "TRIDENT_PARENT_PID"  # the pid each of a server's processes expects as its parent
 API_SERVER_PID = "TRIDENT_VLLM_API_PID"  # set by the API server for the processes below it
+ORPHAN_GRACE_S = 20.0  # an orphaned API server's shutdown (SIGTERM), before it is killed
 
 
 def _die_with_parent() -> None:
     """This vLLM process dies with the one that started it (``PARENT_PID``, set by the
     supervisor for the API server and by each process for its children, so a parent that died
     before the request is caught too): the API server by SIGTERM, whose shutdown stops its engine
-    core; every process below it by SIGKILL, since each one's own children die with it in turn
-    (a SIGTERMed engine core was seen to outlive its killed API server)."""
+    core, and by SIGKILL if that shutdown has not ended ``ORPHAN_GRACE_S`` later (an API server
+    outlived its killed supervisor so, under memory pressure); every process below it by
+    SIGKILL, since each one's own children die with it in turn (a SIGTERMed engine core was seen
+    to outlive its killed API server)."""
     from trident.cluster.process import die_with_parent
 
     me = str(os.getpid())
     top = API_SERVER_PID not in os.environ
     parent = int(os.environ.get(PARENT_PID) or 0) or None
-    die_with_parent(signal.SIGTERM if top else signal.SIGKILL, parent=parent)
     if top:
+        die_with_parent(signal.SIGTERM, parent=parent, kill_after_s=ORPHAN_GRACE_S)
         os.environ[API_SERVER_PID] = me
+    else:
+        die_with_parent(signal.SIGKILL, parent=parent)
     os.environ[PARENT_PID] = me
 
 
