@@ -338,6 +338,8 @@ class Run:
             self.proc.kill()
         try:
             self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # its output says where it is (stacks after SIGTERM)
+            raise AssertionError(f"not ended in {timeout} s: {self.output[-6000:]}") from None
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()

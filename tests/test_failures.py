@@ -268,6 +268,33 @@ def test_a_process_that_ignores_its_parents_death_is_killed_after_the_grace(tmp_
     assert time.monotonic() - orphaned > 0.5  # not at once: the grace came first
 
 
+STUCK_UNWIND = """
+import signal, time
+import trident.cli as cli
+cli.UNWIND_DUMP_S = 1
+signal.signal(signal.SIGTERM, cli._raise_terminated)
+print("up", flush=True)
+try:
+    time.sleep(60)
+except cli.Terminated:
+    time.sleep(3)  # an unwind that hangs
+"""
+
+
+def test_an_unwind_after_sigterm_that_hangs_prints_every_threads_stack():
+    """A run's SIGTERM unwinds like Ctrl-C (servers, trainer, Ray stopped on the way out); if
+    that takes longer than ``UNWIND_DUMP_S``, every thread's stack is printed, so a job that
+    does not stop says where it is stuck."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK_UNWIND], cwd=REPO, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert "Thread 0x" in err and 'File "<string>", line 10' in err  # the hung line
+
+
 def test_a_hang_dump_says_which_process_is_stopped(tmp_path):
     """py-spy reads no stack of a stopped process; the dump names the process and says which of
     its tree is stopped, and still holds the stacks of the ones that run."""

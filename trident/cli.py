@@ -8,6 +8,7 @@ unreadable data, a port in use, a server that does not start) print one actionab
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -425,7 +426,12 @@ class Terminated(KeyboardInterrupt):
     and Ray are stopped on the way out (Python's default would exit without any cleanup)."""
 
 
+# An unwind after SIGTERM that takes longer than this prints every thread's stack (then goes on)
+UNWIND_DUMP_S = 120
+
+
 def _raise_terminated(signum: int, frame: object) -> None:
+    faulthandler.dump_traceback_later(UNWIND_DUMP_S)
     raise Terminated
 
 
