@@ -58,6 +58,7 @@ from provenance import REPO, load_average, provenance
 sys.path.insert(0, str(REPO))
 
 from tests.conftest import cmdline, parent, tagged_env, tagged_processes, wait_gone  # noqa: E402
+from trident.rollout.vllm_server import API_SERVER  # noqa: E402
 from trident.telemetry.lineage import read_samples  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -85,7 +86,7 @@ def server_pids(run_dir: Path, tag: str, i: int) -> tuple[int, int] | None:
     if not ports or not cores or not cmdline(int(cores[-1])):
         return None
     pids = [p for p in tagged_processes(tag) if f"--port {ports[-1]} " in cmdline(p) + " "]
-    api = [p for p in pids if parent(p) not in pids and "api_server" in cmdline(p)]
+    api = [p for p in pids if parent(p) not in pids and API_SERVER in cmdline(p)]
     return (api[0], int(cores[-1])) if len(api) == 1 else None
 
 

@@ -46,6 +46,7 @@ from provenance import REPO, provenance
 sys.path.insert(0, str(REPO))
 
 from tests.conftest import cmdline, tagged_env, tagged_processes  # noqa: E402
+from trident.rollout.vllm_server import API_SERVER  # noqa: E402
 
 GIB = 1 << 30
 LORA = (
@@ -99,7 +100,7 @@ class Peaks(threading.Thread):
             for pid in tagged_processes(self.tag):
                 line = cmdline(pid)
                 role = next((r for r, key in ROLES.items() if key in line), None)
-                if role is None and "vllm.entrypoints.openai.api_server" in line:
+                if role is None and API_SERVER in line:
                     role = "api_server"
                 if role is not None:
                     now[role] = now.get(role, 0) + _rss(pid)

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from tests.conftest import Run, cmdline, engine_core, parent, tagged_processes, wait_gone
+from trident.rollout.vllm_server import API_SERVER
 from trident.telemetry.lineage import read_samples
 
 
@@ -40,7 +41,7 @@ def _api_servers(tag: str) -> dict[int, int]:
     found: dict[int, list[int]] = {}
     for pid in tagged_processes(tag):
         line = cmdline(pid).split()
-        if "vllm.entrypoints.openai.api_server" in line:
+        if API_SERVER in line:
             found.setdefault(int(line[line.index("--port") + 1]), []).append(pid)
     out = {}
     for port, pids in found.items():

@@ -3,12 +3,37 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
+import gc
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Imports (or other start-up work) without the garbage collector's passes; what they built
+    is then frozen (later passes skip it) and the collector is back on. Importing torch,
+    transformers and vLLM builds millions of objects, and the full passes during it walk all of
+    them again and again: vLLM's API server imports in 6.1 s instead of 8.0 s (2 cores). The
+    price: garbage made in cycles meanwhile stays in memory (a few MB) until the process exits,
+    where the heap is unfrozen so that the interpreter's last collection finds it (else
+    nanobind's modules report every object of theirs still alive as a leak on stderr)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        atexit.unregister(gc.unfreeze)  # once per process
+        atexit.register(gc.unfreeze)
+        if enabled:
+            gc.enable()
 
 
 def die_with_parent(

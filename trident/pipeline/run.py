@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from trident.cluster.placement import plan_for, reserve
+from trident.cluster.process import collector_paused
 from trident.cluster.ray_cluster import check_shared, init_ray
 from trident.config import TridentConfig, save_config
 from trident.pipeline import checkpoint, colocate_async, separate_async, sync
@@ -149,7 +150,8 @@ def _start(
 def _import_transformers() -> None:
     """Import what ``RunHarness`` loads its tokenizer with (transformers' tokenizer classes:
     ~6 s on 2 cores), so that the harness finds it imported."""
-    from transformers import AutoTokenizer  # noqa: F401
+    with collector_paused():
+        from transformers import AutoTokenizer  # noqa: F401
 
 
 def _ready(what: str, part: RolloutFleet | TrainerGroup, launched: float) -> None:

@@ -1,6 +1,6 @@
 """Launch and supervise one vLLM OpenAI-compatible server process.
 
-The server runs as ``python -m vllm.entrypoints.openai.api_server`` with
+The server runs as ``python -m trident.rollout.vllm_api_server`` (vLLM's OpenAI API server) with
 ``VLLM_SERVER_DEV_MODE=1`` (pause/resume/abort and weight-transfer endpoints) in its own process
 group, so that stopping it takes its engine-core children too. The child also gets
 ``PR_SET_PDEATHSIG`` (SIGTERM) on Linux: if the supervising process is killed outright (SIGKILL,
@@ -27,6 +27,8 @@ import httpx
 from trident.cluster.net import check_port_free, free_port
 from trident.cluster.process import cores_each, die_with_parent
 from trident.rollout.engine import SERVED_MODEL
+
+API_SERVER = "trident.rollout.vllm_api_server"  # the module each server runs (`python -m`)
 
 
 class ServerStartError(RuntimeError):
@@ -134,7 +136,7 @@ class VLLMServer:
         args = [
             sys.executable,
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            API_SERVER,
             "--model",
             model_path,
             "--host",
