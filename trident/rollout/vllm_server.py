@@ -225,13 +225,12 @@ class VLLMServer:
             f"(log: {self.log_path}):\n{log_tail(self.log_path)}"
         )
 
-    def healthy(self, http: httpx.Client | None = None) -> bool:
-        """The process runs and ``/health`` answers 200 (through ``http`` when given)."""
+    def healthy(self, http: httpx.Client) -> bool:
+        """The process runs and ``/health`` answers 200 through ``http``."""
         if self.proc is None or self.proc.poll() is not None:
             return False
         try:
-            get = http.get if http is not None else httpx.get
-            return get(f"{self.url}/health", timeout=2.0).status_code == 200
+            return http.get(f"{self.url}/health").status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -261,7 +260,8 @@ def _on_cpu() -> bool:
     files and ``CUDA_VISIBLE_DEVICES`` where they settle it, since importing torch to ask costs
     a Ray actor ~1.2 s before it can launch the server (on a CPU host, its start's critical
     path); torch is asked only where a GPU may be visible."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):  # every GPU hidden
         return True
     dev = Path("/dev")
     if not any(dev.glob("nvidia[0-9]*")) and not (dev / "kfd").exists():  # NVIDIA, ROCm
