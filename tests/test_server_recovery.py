@@ -199,6 +199,59 @@ def test_liveness_judges_only_a_server_with_requests_pending_and_no_progress():
     assert moved == [0, 2, 4, 6, 0, 2, 4]
 
 
+def test_a_server_killed_for_memory_stops_the_run_in_one_line():
+    """A server whose restart fails because Ray's memory monitor killed it (its sweep often
+    takes a trainer rank too) stops the run with one line: what was killed, the node's memory
+    and the settings to lower; not the server's log, which says nothing of it. The failure is
+    injected (a restarter raising Ray's error as its raylet words it); the monitor itself, for
+    real, is ``test_failures``' memory test, where either death may be seen first."""
+    import asyncio
+
+    from ray.exceptions import OutOfMemoryError
+
+    from trident.pipeline.gate import WeightGate
+    from trident.pipeline.recovery import ServerRecovery
+    from trident.rollout.engine import VLLMClient
+    from trident.rollout.router import Router
+
+    killed = OutOfMemoryError(
+        "Task was killed due to the node running low on memory.\n"
+        "Memory on the node (IP: 127.0.0.1, ID: 1f2e) was 7.06GB used / 23.59GB limit (0.30)\n"
+        "Selected to kill: job ID=01000000, lease ID=2a3b, task name=RolloutServerActor.__init__"
+        ", required resources={}, pid=4242, actual memory used=0.07GB, worker ID=3c4d)\n"
+        "Top 10 memory users:\nPID\tMEM(GB)\tCOMMAND\n4243\t0.35\tray::PolicyWorker"
+    )
+
+    class Fleet:  # the owner of the servers, whose restart meets the monitor's kill
+        nodes: dict[str, str] = {}
+        plan = None
+
+        async def restart(self, i: int) -> VLLMClient:
+            raise killed
+
+        def log_path(self, i: int) -> Path:
+            raise AssertionError("the log is not read for a kill by the memory monitor")
+
+    async def recover() -> BaseException | None:
+        router = Router([VLLMClient("http://127.0.0.1:9")])
+        recovery = ServerRecovery(
+            router, WeightGate(router), trainer=None, fleet=Fleet(), max_restarts=3,  # type: ignore[arg-type]
+            health_check_s=1.0,
+        )  # fmt: skip
+        router.take_out(0)  # what a failed request or health check does; recovery.down follows
+        await asyncio.gather(*recovery._tasks)
+        return router.fatal
+
+    error = asyncio.run(recover())
+    assert str(error) == (
+        "rollout server 0 ran out of memory: Ray's memory monitor killed RolloutServerActor "
+        "(0.07GB) with the node at 7.06GB of 23.59GB: the run does not fit in memory; lower "
+        "trainer.micro_batch_tokens or trainer.logprob_chunk_tokens, or set "
+        "trainer.activation_checkpointing=true, model.lora, or rollout.max_restarts=0 (no kept "
+        "copy of the served weights)"
+    )
+
+
 @pytest.mark.parametrize("frozen", ["engine_core", "api_server"])
 def test_a_frozen_server_is_taken_out_killed_and_restarted(tiny_model, tmp_path, frozen):
     """sync on 1 server: SIGSTOP mid-rollout of its engine core, whose API server still answers

@@ -200,12 +200,15 @@ class ServerRecovery:
             try:
                 client = await self.fleet.restart(i)
             except Exception as e:
-                self.router.give_up(
-                    ServerDiedError(
-                        f"rollout server {i} died and could not be restarted: "
-                        f"{out_of_memory(e) or e}\n{self._log(i)}"
+                oom = out_of_memory(e)
+                if oom:  # Ray's memory monitor (a trainer rank often in the same sweep): one
+                    # line, what it killed and what to lower; the server's log says nothing of it
+                    error = ServerDiedError(f"rollout server {i} ran out of memory: {oom}")
+                else:
+                    error = ServerDiedError(
+                        f"rollout server {i} died and could not be restarted: {e}\n{self._log(i)}"
                     )
-                )
+                self.router.give_up(error)
                 return
             try:
                 async with self.gate.exclusive():  # no weight update between rejoin and back in
