@@ -31,7 +31,7 @@ back in.
 3. **Restart.** The server's actor stops what is left of it (the whole process group) and
    starts it again on the same node and port (``RolloutFleet.restart``), at most
    ``rollout.max_restarts`` times per server; after that, or if it does not come back, the run
-   stops with the server's log tail.
+   stops with the server's log tail (killed by Ray's memory monitor: with that one line).
 4. **Rejoin.** The restarted server serves the start-up weights, so rank 0 pushes it its kept
    copy of the version being served (``WeightSync.rejoin``: whatever the trainer has learned
    since is not in it) and verifies it with that version's probe, like every sync. This holds the
