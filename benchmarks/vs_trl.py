@@ -22,7 +22,9 @@ advantages. Three recipes:
   hold through the 12 steps (the compute is the same at any rate).
 - ``compute``: the RL compute is real. The ``small`` preset (~25 M parameters) as initialised,
   whose responses all run to their 32-token cap, 16 prompts × 8 samples a step, 12 steps,
-  timing only.
+  timing only. In bfloat16 on both sides where the host multiplies it in hardware (a GPU, or a
+  CPU with AMX), as users of such a host train: float32 weights and optimizer, bfloat16
+  compute (trident ``model.dtype=bfloat16``, TRL ``bf16=True``); float32 elsewhere.
 
 TRL gets the prompts already rendered by trident's chat template (so the tokens are the same)
 and trident's own reward functions; on a CPU box it generates with HF ``generate`` (TRL's vLLM
@@ -110,18 +112,35 @@ RECIPES: dict[str, dict[str, Any]] = {
         "steps": 12,
         "overrides": ["rollout.max_tokens=32", "pipeline.prompts_per_step=16"],
         "evaluate": False,
+        "bf16_where_native": True,
     },
 }
+
+
+def native_bf16() -> bool:
+    """Whether this host multiplies bfloat16 in hardware: a GPU, or a CPU with AMX (on a 2-core
+    Xeon with AMX, a [4096, 512] x [512, 1536] matmul ran at 912 GFLOP/s in bfloat16, 219 in
+    float32)."""
+    if GPU:
+        return True
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def recipe(name: str) -> dict[str, Any]:
     """A recipe's numbers, read from the demo config and the recipe's overrides (both sides use
     exactly these)."""
     spec = RECIPES[name]
-    cfg = load_config([RECIPE], [f"pipeline.steps={spec['steps']}", *spec["overrides"]])
+    bf16 = GPU or (spec.get("bf16_where_native", False) and native_bf16())
+    overrides = [*spec["overrides"], *(["model.dtype=bfloat16"] if bf16 else [])]
+    cfg = load_config([RECIPE], [f"pipeline.steps={spec['steps']}", *overrides])
     return {
         "name": name,
         **spec,
+        "overrides": overrides,
+        "dtype": cfg.model.dtype,
         "prompts_per_step": cfg.pipeline.prompts_per_step,
         "n": cfg.rollout.n,
         "max_tokens": cfg.rollout.max_tokens,
@@ -257,11 +276,13 @@ def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float
     recipe's mini-batches ``samples[k::M]``, each split into micro-batches as trident's trainer
     splits it, ``micro_batches`` by ``trainer.micro_batch_tokens``): the no-grad forward of the
     mini-batches after the first (their pre-step logprobs), then per mini-batch the forward and
-    backward of each micro-batch and one AdamW step, with the loss -Σ A·logp / tokens. One
-    process, no FSDP, no ratio, clipping or metrics: a floor any trainer of this model pays for
-    these token grids. Median over the run's steps after the first ``WARMUP``."""
+    backward of each micro-batch and one AdamW step, with the loss -Σ A·logp / tokens; in a
+    bfloat16 recipe, float32 weights under ``torch.autocast``. One process, no FSDP, no ratio,
+    clipping or metrics: a floor any trainer of this model pays for these token grids. Median
+    over the run's steps after the first ``WARMUP``."""
     device = torch.device("cuda" if GPU else "cpu")
-    net = load_causal_lm(model, "bfloat16" if GPU else "float32", device)
+    net = load_causal_lm(model, "float32", device)
+    half = r["dtype"] == "bfloat16"
     tok = load_tokenizer(model)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-6)  # a tiny lr: the weights barely move
     vocab = net.config.vocab_size
@@ -286,7 +307,8 @@ def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float
                 grids[-1].append((ids.to(device), attn.to(device), adv.to(device)))
 
         def logp(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-            logits = net(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+            with torch.autocast(device.type, torch.bfloat16, enabled=half):
+                logits = net(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
             return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
         _synchronize()
@@ -368,10 +390,10 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path, launch: float) -> 
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531",
         }.items():  # fmt: skip
             os.environ.setdefault(key, value)
-    # On CPU: float32 without activation checkpointing, as trident trains; TRL's defaults (bf16
-    # autocast, gradient checkpointing) would be another recipe, and bf16 on a CPU without bf16
-    # instructions is emulated (measured on an AVX2-only host: 9.5 s / RL step vs 0.5 s). On a
-    # GPU: bf16 and TRL's vLLM, as trident's side.
+    # On CPU: the recipe's dtype (float32, or bf16 autocast where the CPU has AMX), without
+    # activation checkpointing, as trident trains; bf16 on a CPU without bf16 instructions is
+    # emulated (measured on an AVX2-only host: 9.5 s / RL step vs 0.5 s). On a GPU: bf16 and
+    # TRL's vLLM, as trident's side.
     device: dict[str, Any] = (
         {
             "use_vllm": True,
@@ -380,7 +402,7 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path, launch: float) -> 
             "bf16": True,
         }
         if GPU
-        else {"use_cpu": True, "use_vllm": False, "bf16": False}
+        else {"use_cpu": True, "use_vllm": False, "bf16": r["dtype"] == "bfloat16"}
     )
     config = GRPOConfig(
         output_dir=str(saves), report_to="none", save_strategy="no",
@@ -592,7 +614,7 @@ def _markdown(res: dict[str, Any], result: dict[str, Any]) -> str:
 
     head = (
         f"**{r['name']}** recipe: {r['steps']} steps × {r['prompts_per_step']} prompts × "
-        f"{r['n']} samples, ≤ {r['max_tokens']} new tokens, lr {r['lr']:g} "
+        f"{r['n']} samples, ≤ {r['max_tokens']} new tokens, lr {r['lr']:g}, {r['dtype']} "
         f"({result['machine']})."
     )
     cols = [

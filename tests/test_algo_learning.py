@@ -192,6 +192,29 @@ def test_auto_takes_the_engines_logprobs_only_on_policy(make_worker, tiny_model)
     assert engine_logprobs_are_old(cfg, stale, 1)  # asked for: taken, stale or not
 
 
+def test_half_precision_on_cpu_keeps_float32_master_weights(make_worker, tiny_model):
+    """model.dtype=bfloat16 on a CPU computes in bfloat16 over float32 weights and optimizer
+    (FSDP2's mixed precision), so an update under bfloat16's resolution (lr 1e-6) is kept,
+    where AdamW on bfloat16 weights would drop it."""
+    from trident.weights.tensors import full_tensor
+
+    worker = make_worker(f"model.path={tiny_model}", "model.dtype=bfloat16", "trainer.lr=1e-6")
+    params = dict(worker.model.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.float32}
+    before = {n: full_tensor(p.detach()).clone() for n, p in params.items()}
+    computed = []
+    layer = worker.model.model.layers[0].mlp.down_proj
+    hook = layer.register_forward_hook(lambda _m, _i, out: computed.append(out.dtype))
+    worker.train_step(make_samples(worker.tokenizer))
+    hook.remove()
+    assert computed and set(computed) == {torch.bfloat16}
+    after = {n: full_tensor(p.detach()) for n, p in params.items()}
+    moved = [n for n in params if not torch.equal(after[n], before[n])]
+    lost_in_bf16 = [n for n in moved if torch.equal(after[n].bfloat16(), before[n].bfloat16())]
+    assert len(moved) == len(params), sorted(set(params) - set(moved))
+    assert lost_in_bf16, "every update was above bfloat16's resolution: lower the lr"
+
+
 def test_ppo_critic_learns_values(make_worker, tiny_model):
     worker = make_worker(
         f"model.path={tiny_model}",

@@ -20,6 +20,8 @@ from pydantic import (
 
 from trident.config.algo import AlgoConfig
 
+HALF_PRECISION_TOLERANCE = 0.1  # sync.tolerance's default where model.dtype is half precision
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -470,7 +472,8 @@ class SyncConfig(Section):
     tolerance: float = Field(
         default=2e-3,
         gt=0,
-        description="Max |Δlogp| on the probe after a sync (float32; raise for bf16, e.g. 0.05).",
+        description="Max |Δlogp| on the probe after a sync. Unset: 2e-3 in float32, 0.1 in half precision "
+        "(model.dtype), where engine and trainer round differently (bfloat16 on a CPU: ~0.01 seen).",
     )
     bucket_bytes: int = Field(
         default=256 << 20,
@@ -638,6 +641,12 @@ class TridentConfig(Section):
     def response_budget(self) -> int:
         """Max model-written tokens of one sample: L_max of the overlong penalty."""
         return self.env.max_response_tokens if self.env.name else self.rollout.max_tokens
+
+    @model_validator(mode="after")
+    def _half_precision_tolerance(self) -> TridentConfig:
+        if self.model.dtype != "float32" and "tolerance" not in self.sync.model_fields_set:
+            self.sync.tolerance = HALF_PRECISION_TOLERANCE
+        return self
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TridentConfig:
