@@ -72,6 +72,10 @@ class PolicyWorker:
         torch.manual_seed(cfg.run.seed)
         if cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
+            # Not torch's NaN-filling of every new tensor, a debugging aid that changes no result
+            # of code that reads what it wrote: 7% of the small preset's bfloat16 step on CPU
+            # (3.49 s against 3.24 s, interleaved; 3.14 s without deterministic kernels).
+            torch.utils.deterministic.fill_uninitialized_memory = False
         self.cfg, self.rank, self.world = cfg, rank, world_size
         a, tc = cfg.algo, cfg.trainer
         self.device = fsdp.device()
