@@ -56,13 +56,11 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     )
 
 
-def master_dtype(dtype: str) -> str:
-    """The dtype the weights are kept (and optimized) in for training in ``dtype``: float32
-    master weights when ``dtype`` is half precision (``shard`` then computes in ``dtype``), on
-    GPUs and CPUs alike. AdamW on half-precision weights loses every update under the weight's
-    resolution (bfloat16 keeps 8 bits: at lr 1e-6 nothing moves); on a CPU that multiplies
-    bfloat16 in hardware (AMX) the compute is as fast either way."""
-    return "float32" if dtype != "float32" else dtype
+# What the trained weights and their optimizer state are kept in, whatever model.dtype: in half
+# precision ``shard`` computes in it over these float32 master weights, on GPUs and CPUs alike.
+# AdamW on half-precision weights drops every update under a weight's resolution (bfloat16 keeps
+# 8 bits: at lr 1e-6 nothing moves).
+MASTER_DTYPE = "float32"
 
 
 def checkpoint_activations(model: ModuleT, enabled: bool) -> ModuleT:
@@ -88,7 +86,7 @@ PER_LAYER_PARAMS = 100_000_000  # on one rank, wrap each decoder layer from this
 
 def shard(model: ModuleT, compute_dtype: str = "float32") -> ModuleT:
     """fully_shard each decoder layer, then the root (the usual FSDP2 wrapping of an HF LM).
-    With a half-precision ``compute_dtype`` the (float32, ``master_dtype``) parameters are cast
+    With a half-precision ``compute_dtype`` the (float32, ``MASTER_DTYPE``) parameters are cast
     to it for forward and backward and gradients are reduced in float32 (FSDP2's
     ``MixedPrecisionPolicy``, on GPUs and CPUs); logprobs are taken in float32 either way
     (``token_logprobs``). On a CPU with AMX, bfloat16 trained the ``small`` preset's step 1.8x

@@ -81,7 +81,7 @@ class PolicyWorker:
         self.device = fsdp.device()
         self.tokenizer = load_tokenizer(cfg.model.path)
         dtype = cfg.model.dtype
-        model = load_causal_lm(cfg.model.path, fsdp.master_dtype(dtype), self.device)
+        model = load_causal_lm(cfg.model.path, fsdp.MASTER_DTYPE, self.device)
         model = fsdp.checkpoint_activations(model, tc.activation_checkpointing)
         if cfg.model.lora is not None:  # adapters only train; base weights frozen
             model = lora.wrap(model, cfg.model.lora)
@@ -93,7 +93,7 @@ class PolicyWorker:
         self.opt, self.sched = self._optimizer(self.model, tc.lr)
         self.critic = None
         if a.use_critic:
-            critic = ValueModel(cfg.model.critic_path or cfg.model.path, fsdp.master_dtype(dtype))
+            critic = ValueModel(cfg.model.critic_path or cfg.model.path, fsdp.MASTER_DTYPE)
             fsdp.checkpoint_activations(critic.model, tc.activation_checkpointing)
             self.critic = fsdp.shard(critic.to(self.device), dtype)
             self.critic_opt, self.critic_sched = self._optimizer(self.critic, tc.critic_lr)

@@ -106,7 +106,7 @@ def _sft_rank(
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
     dtype = cfg.model.dtype
-    model = load_causal_lm(cfg.model.path, fsdp.master_dtype(dtype), fsdp.device())
+    model = load_causal_lm(cfg.model.path, fsdp.MASTER_DTYPE, fsdp.device())
     model = fsdp.checkpoint_activations(model, cfg.trainer.activation_checkpointing)
     model = fsdp.shard(model, dtype)
     model.train()
