@@ -13,6 +13,16 @@ if TYPE_CHECKING:
     from trident.config.schema import TridentConfig
 
 
+HALF_PRECISION_TOLERANCE = 0.1  # sync.tolerance's default where model.dtype is half precision
+
+
+def fill_dependent_defaults(cfg: TridentConfig) -> None:
+    """Set the defaults that depend on another section, where the setting was left unset:
+    ``sync.tolerance`` in half precision."""
+    if cfg.model.dtype != "float32" and "tolerance" not in cfg.sync.model_fields_set:
+        cfg.sync.tolerance = HALF_PRECISION_TOLERANCE
+
+
 def combination_errors(cfg: TridentConfig) -> list[str]:
     """Every error among settings that are valid alone but not together (empty: none)."""
     errors: list[str] = []

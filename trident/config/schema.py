@@ -20,8 +20,6 @@ from pydantic import (
 
 from trident.config.algo import AlgoConfig
 
-HALF_PRECISION_TOLERANCE = 0.1  # sync.tolerance's default where model.dtype is half precision
-
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -643,15 +641,10 @@ class TridentConfig(Section):
         return self.env.max_response_tokens if self.env.name else self.rollout.max_tokens
 
     @model_validator(mode="after")
-    def _half_precision_tolerance(self) -> TridentConfig:
-        if self.model.dtype != "float32" and "tolerance" not in self.sync.model_fields_set:
-            self.sync.tolerance = HALF_PRECISION_TOLERANCE
-        return self
-
-    @model_validator(mode="after")
     def _check_combinations(self) -> TridentConfig:
-        from trident.config.checks import combination_errors
+        from trident.config.checks import combination_errors, fill_dependent_defaults
 
+        fill_dependent_defaults(self)
         if errors := combination_errors(self):
             raise ValueError("; ".join(errors))
         return self

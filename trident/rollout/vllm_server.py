@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from trident.cluster.net import check_port_free, free_port
+from trident.cluster.net import PortInUseError, check_port_free, free_port
 from trident.cluster.process import cores_each, die_with_parent
 from trident.rollout.engine import SERVED_MODEL
 
@@ -253,6 +253,15 @@ class VLLMServer:
                 os.killpg(pgid, signal.SIGKILL)
             break
         self.proc = None
+        # An engine core forked after the API server bound its port holds that socket until it
+        # has exited, which a SIGKILL does not wait for: a restart on the port at once found it
+        # in use (the API server killed, its engine core still dying). Wait for it to close.
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            try:
+                return check_port_free(self.port, self.host)
+            except PortInUseError:
+                time.sleep(0.05)
 
 
 def _on_cpu() -> bool:
