@@ -77,3 +77,14 @@ def test_flags_may_come_between_overrides(tmp_path):
     assert "n: 3" in r.stderr and "resume: auto" in r.stderr
     bad = run_cli("train", "--dry-run", "rollout.n=3", "--no-such-flag", timeout=60)
     assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr
+
+
+def test_a_run_directory_that_holds_a_run_is_refused_before_ray_starts(tiny_model, tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 0}\n')
+    r = run_cli(
+        "train", f"model.path={tiny_model}", f"run.dir={tmp_path}", "run.name=r", timeout=60
+    )  # fmt: skip
+    _one_line_error(r, "already holds a run", "--resume", "run.overwrite=true")
+    assert "Ray" not in r.stderr  # refused before Ray (which starts while the pipeline imports)
+    assert [p.name for p in (tmp_path / "r").iterdir()] == ["metrics.jsonl"]

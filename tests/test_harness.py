@@ -16,6 +16,7 @@ from pathlib import Path
 
 import ray
 
+from trident.cluster.process import jemalloc_env
 from trident.cluster.ray_cluster import init_ray
 from trident.config import load_config
 from trident.pipeline.run import run
@@ -90,6 +91,9 @@ def test_sync_and_separate_async_at_eta_zero_train_the_same_samples(tiny_model, 
                     asyncio.run(run(cfg, fleet.router, trainer, log))
                     sender = group.pids["trainer_rank0"]
                     assert list(Path("/dev/shm").glob(f"trident-weights-{sender}-*"))
+                    if jemalloc_env():  # a rank and a server on CPUs allocate through jemalloc
+                        for pid in (sender, *fleet.pids().values()):
+                            assert "libjemalloc" in Path(f"/proc/{pid}/maps").read_text(), pid
                 log.close()
                 # the group's exit had rank 0 delete its bucket files before killing it
                 assert not list(Path("/dev/shm").glob(f"trident-weights-{sender}-*"))

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import importlib
 import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,9 +44,15 @@ def _job_parser(sub, name: str, help_text: str, description: str) -> argparse.Ar
     return p
 
 
-def _resolve(args: argparse.Namespace, needs_model: bool = True) -> TridentConfig | None:
+def _resolve(
+    args: argparse.Namespace,
+    needs_model: bool = True,
+    prepare: Callable[[TridentConfig], object] | None = None,
+) -> TridentConfig | None:
     """Load the config, print it (all of it on --dry-run, else what differs from the defaults) and
-    save it to the run directory; None after a dry run."""
+    save it to the run directory, after ``prepare`` (``trident train``'s refusal, start over or
+    resume of a directory that holds a run: before the config overwrites the one there); None
+    after a dry run."""
     import yaml
     from rich.console import Console
     from rich.syntax import Syntax
@@ -60,6 +68,8 @@ def _resolve(args: argparse.Namespace, needs_model: bool = True) -> TridentConfi
         from trident.models.load import check_model_path
 
         check_model_path(cfg.model.path)
+    if prepare is not None:
+        prepare(cfg)
     path = save_config(cfg, cfg.derived.run_dir)
     changed = _diff(cfg.model_dump(mode="json"), TridentConfig().model_dump(mode="json"))
     console.print(f"[bold]config[/] (non-default values; resolved config: {path})")
@@ -130,7 +140,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         args.overrides.append("run.resume=auto")
-    cfg = _resolve(args)
+    from trident.pipeline.checkpoint import prepare_run_dir
+
+    cfg = _resolve(args, prepare=prepare_run_dir)  # prepared again by the run: a no-op then
     if cfg is None:  # a dry run: the config was printed; the placement plan follows
         from trident.cluster.placement import local_resources, plan_for
 
@@ -139,12 +151,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         where = "this machine's" if not cfg.cluster.address else "this machine's, not the cluster's"
         print(f"{plan}\n  (from {where} devices)", file=sys.stderr)
         return 0
+    from trident.cluster.ray_cluster import init_ray
+
+    # The pipeline's imports (~1.6 s on 2 cores) run in a thread while Ray starts here (its
+    # processes die with the thread that started them: not in a thread of ours)
+    pipeline = threading.Thread(target=importlib.import_module, args=("trident.pipeline.run",))
+    pipeline.start()
+    init_ray(cfg.cluster)
+    pipeline.join()
     from rich.console import Console
 
     from trident.pipeline.eval import summary_table
     from trident.pipeline.run import run_train
 
-    results = run_train(cfg)
+    results = run_train(cfg, own_ray=True)
     if "before" in results:
         table = summary_table(
             {"before RL": results["before"], "after RL": results["after"]}, cfg.eval.pass_k

@@ -1,5 +1,5 @@
-"""Processes: their share of this host's cores, and not outliving the one that started them
-(cheap to import: vLLM's processes import it through trident's plugin)."""
+"""Processes: their share of this host's cores, their allocator, and not outliving the one that
+started them (cheap to import: vLLM's processes import it through trident's plugin)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,34 @@ import atexit
 import contextlib
 import ctypes
 import gc
+import importlib.util
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
+
+# Freed pages stay with the process for its next allocation instead of going back to the system
+JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+
+
+def jemalloc_env() -> dict[str, str]:
+    """The environment that gives a process started with it jemalloc (the build Ray ships), set
+    to keep the pages it frees: for a trainer rank or a vLLM server on a CPU. glibc's malloc
+    maps every block over 32 MiB afresh and unmaps it when freed, so each step's activations
+    and logits fault in their pages again: ~74,000 page faults a second in a rank's training,
+    none after the first steps with this. At the compute recipe's shape (2 cores, bfloat16,
+    median of 5 steps, 4 runs interleaved) the step took 3.5-4.0 s against 4.1-4.9 s (train
+    stage 2.2-2.5 s against 2.7-3.2 s). Resident memory stays at the process's peak. Empty
+    where Ray ships no jemalloc (macOS) or the user preloads a library already."""
+    spec = importlib.util.find_spec("ray")
+    if spec is None or not spec.submodule_search_locations or "LD_PRELOAD" in os.environ:
+        return {}
+    lib = os.path.join(spec.submodule_search_locations[0], "core", "libjemalloc.so")
+    if not os.path.isfile(lib):
+        return {}
+    return {"LD_PRELOAD": lib, "MALLOC_CONF": os.environ.get("MALLOC_CONF", JEMALLOC_CONF)}
 
 
 @contextlib.contextmanager

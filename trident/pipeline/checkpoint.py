@@ -50,8 +50,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from trident.config import ConfigError, TridentConfig
 
 MANIFEST = "manifest.json"
@@ -87,6 +85,8 @@ async def write(
     tmp, final = root / f".tmp-{name}", root / name
     shutil.rmtree(tmp, ignore_errors=True)
     await save_trainer(tmp)
+    import torch  # here: ``trident train`` prepares the run directory before it imports torch
+
     torch.save(run_state, tmp / RUN_STATE)
     (tmp / MANIFEST).write_text(
         json.dumps({"step": run_state["step"], "version": run_state["version"]}) + "\n"
@@ -103,6 +103,8 @@ async def write(
 
 
 def read_run_state(path: Path) -> dict[str, Any]:
+    import torch
+
     return torch.load(path / RUN_STATE, weights_only=False)
 
 

@@ -35,9 +35,11 @@ DRIVERS: dict[str, Callable[[RunHarness], Awaitable[None]]] = {
 }
 
 
-def run_train(cfg: TridentConfig) -> dict[str, Any]:
+def run_train(cfg: TridentConfig, own_ray: bool = False) -> dict[str, Any]:
     """Start Ray, the servers and the trainer; run the harness and the driver; stop everything.
     Returns the harness's results (evals before/after, final checkpoint, pipeline summary).
+    ``own_ray``: the caller started Ray for this run (``trident train`` does, while it imports
+    this module); it is shut down at the end like one started here.
 
     A trainer rank that dies stops the run with the checkpoint to resume from; with
     ``run.max_restarts`` the run resumes from it by itself (everything restarted: exact, like
@@ -45,7 +47,7 @@ def run_train(cfg: TridentConfig) -> dict[str, Any]:
     (what the attempt wrote is set aside in ``attempts/``, like ``--resume`` does)."""
     for restart in range(cfg.run.max_restarts + 1):
         try:
-            return _run_once(cfg)
+            return _run_once(cfg, own_ray)
         except TrainerRankError as e:
             if restart == cfg.run.max_restarts or isinstance(e, TrainerOutOfMemory):
                 raise  # out of memory: it would run out again
@@ -59,7 +61,7 @@ def run_train(cfg: TridentConfig) -> dict[str, Any]:
     raise AssertionError("unreachable")
 
 
-def _run_once(cfg: TridentConfig) -> dict[str, Any]:
+def _run_once(cfg: TridentConfig, own_ray: bool) -> dict[str, Any]:
     run_dir = Path(cfg.derived.run_dir)
     resume_from = checkpoint.prepare_run_dir(cfg)  # refuse, empty or resume: before anything
     save_config(cfg, run_dir)  # the run directory is complete whatever started the run
@@ -72,7 +74,7 @@ def _run_once(cfg: TridentConfig) -> dict[str, Any]:
         t.mlflow_uri,
         resume_step=None if resume_from is None else checkpoint.manifest(resume_from)["step"],
     )
-    started_ray = not ray.is_initialized()
+    started_ray = own_ray or not ray.is_initialized()
     init_ray(cfg.cluster)
     attached = bool(cfg.rollout.server_urls)  # servers started elsewhere: none of ours
     try:

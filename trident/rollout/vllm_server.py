@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from trident.cluster.net import PortInUseError, check_port_free, free_port
-from trident.cluster.process import cores_each, die_with_parent
+from trident.cluster.process import cores_each, die_with_parent, jemalloc_env
 from trident.rollout.engine import SERVED_MODEL
 
 API_SERVER = "trident.rollout.vllm_api_server"  # the module each server runs (`python -m`)
@@ -105,6 +105,7 @@ def cpu_options(
         # answer on 2 cores (rollout tokens/s unchanged without it, measured).
         "TORCH_COMPILE_DISABLE": "1",
         "OMP_NUM_THREADS": str(cpu_threads or engine_threads(model_path, cpu_sharing)),
+        **jemalloc_env(),  # rollout on the compute recipe: 1.3 -> 1.2 s a step (2 cores)
     }
     return args, env
 
