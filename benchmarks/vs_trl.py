@@ -47,7 +47,9 @@ Each side runs as its own process, timed from its launch:
   the rest of the loop; inside train, the logprob recompute, the optimizer steps and the rest
   (the batch's transfer to the rank, collation, metrics); inside weight sync, write + update,
   the probe verification and the rest (draining requests, health check, prefix-cache reset);
-- the train stage's floor: the same token grids trained in plain PyTorch (``train_floor``);
+- the train stage's floor: the same token grids trained in plain PyTorch (``train_floor``), in
+  this process (the system allocator) and, on a CPU, again under jemalloc as trident's ranks run
+  (``train_floor_jemalloc``): trident's own overhead is its train stage over the second;
 - TRL's split (mean per step after the first ``WARMUP``): generation + scoring
   (``_generate_and_score_completions``) vs the rest;
 - **held-out accuracy**: greedy answers on the 200 test prompts scored by trident's verifier,
@@ -77,6 +79,7 @@ from typing import Any
 
 import torch
 
+from trident.cluster.process import jemalloc_env
 from trident.config import load_config
 from trident.data.loaders import load_split
 from trident.data.tasks import get_task
@@ -337,6 +340,20 @@ def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float
     }
 
 
+def train_floor_jemalloc(model: str, work: Path, r: dict[str, Any]) -> dict[str, float] | None:
+    """``train_floor`` in a process of its own under the allocator trident's ranks run with on a
+    CPU (``jemalloc_env``), None where there is none: the floor a trident rank would pay, beside
+    the plain process's above (the system allocator, as a TRL run has it)."""
+    env = jemalloc_env(model) if not GPU else {}
+    if not env:
+        return None
+    spec, out = work / f"floor-{r['name']}.recipe.json", work / f"floor-{r['name']}.json"
+    spec.write_text(json.dumps(r))
+    cmd = [sys.executable, __file__, "--floor-worker", model, str(work), str(spec), str(out)]
+    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, **env})
+    return json.loads(out.read_text())
+
+
 def _synchronize() -> None:
     if GPU:
         torch.cuda.synchronize()
@@ -558,6 +575,12 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
         model, work, spec, out, launch = sys.argv[2:7]
         return trl_worker(model, Path(work), Path(spec), Path(out), float(launch))
+    if len(sys.argv) > 1 and sys.argv[1] == "--floor-worker":
+        model, work, spec, out = sys.argv[2:6]
+        r = json.loads(Path(spec).read_text())
+        floor = train_floor(model, Path(work) / f"trident-{r['name']}", r)
+        Path(out).write_text(json.dumps(floor))
+        return None
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", choices=[*RECIPES, "all"], default="all")
     ap.add_argument("--model", help="the demo's SFT checkpoint (default: built here)")
@@ -577,6 +600,7 @@ def main() -> None:
         }[name]()
         sides = {"trident": run_trident(model, work, r), "TRL": run_trl(model, work, r)}
         sides["trident"]["floor"] = train_floor(model, work / f"trident-{name}", r)
+        sides["trident"]["floor (jemalloc)"] = train_floor_jemalloc(model, work, r)
         res: dict[str, Any] = {"recipe": r, "model": model, "sides": sides}
         if r["evaluate"]:
             test = rendered_rows(model, "test")
@@ -653,8 +677,20 @@ def _markdown(res: dict[str, Any], result: dict[str, Any]) -> str:
             lines += [
                 "",
                 f"The train stage's floor, plain PyTorch in one process on the token grids "
-                f"{name} trained (no FSDP, no loss terms beyond A·logp, no metrics): {floor}.",
+                f"{name} trained (no FSDP, no loss terms beyond A·logp, no metrics; the system "
+                f"allocator): {floor}.",
             ]
+            train = s["stages"]["train"]
+            ratios = f"{train / sum(s['floor'].values()):.2f}× that floor"
+            if s.get("floor (jemalloc)"):
+                jem = s["floor (jemalloc)"]
+                floor = ", ".join(f"{k.split(': ')[1]} {v:.2f} s" for k, v in jem.items())
+                lines += [
+                    "",
+                    f"The same floor under jemalloc, as trident's ranks on a CPU: {floor}.",
+                ]
+                ratios += f", {train / sum(jem.values()):.2f}× the jemalloc floor"
+            lines += ["", f"{name}'s train stage: {ratios}."]
     if r["evaluate"]:
         acc = {name: s["accuracy"] for name, s in sides.items()}
         lines += ["", "| held-out accuracy at step | " + " | ".join(acc) + " |"]

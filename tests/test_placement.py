@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -17,6 +18,7 @@ import torch
 
 from tests.conftest import run_cli
 from trident.cluster.placement import PlacementError, make_plan, plan_for, reserve
+from trident.cluster.process import JEMALLOC_BELOW_BYTES, JEMALLOC_CONF, jemalloc_env
 from trident.config import load_config
 from trident.rollout.vllm_server import VLLMServer
 from trident.telemetry.metrics import read_metrics
@@ -173,3 +175,16 @@ def test_a_server_on_a_host_without_gpus_starts_without_importing_torch(tmp_path
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "False"], out
+
+
+def test_jemalloc_only_for_a_model_whose_weights_are_small(tmp_path):
+    """A trainer rank or server keeps its freed pages (jemalloc) for a model under 400 MB of
+    weights; a larger one, whose memory is what binds on a CPU host, keeps the system allocator;
+    a hub id (nothing local to size) too."""
+    for name, size in (("small", 1_000), ("large", JEMALLOC_BELOW_BYTES)):
+        (tmp_path / name).mkdir()
+        with (tmp_path / name / "model.safetensors").open("wb") as f:
+            f.truncate(size)  # sparse: no disk used
+    env = jemalloc_env(str(tmp_path / "small"))
+    assert Path(env["LD_PRELOAD"]).is_file() and env["MALLOC_CONF"] == JEMALLOC_CONF
+    assert jemalloc_env(str(tmp_path / "large")) == {} == jemalloc_env("Qwen/Qwen2.5-0.5B")

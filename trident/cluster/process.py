@@ -17,22 +17,33 @@ from collections.abc import Iterator
 
 # Freed pages stay with the process for its next allocation instead of going back to the system
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+JEMALLOC_BELOW_BYTES = 400_000_000  # the weights of 100 M parameters in float32
 
 
-def jemalloc_env() -> dict[str, str]:
+def jemalloc_env(model_path: str) -> dict[str, str]:
     """The environment that gives a process started with it jemalloc (the build Ray ships), set
-    to keep the pages it frees: for a trainer rank or a vLLM server on a CPU. glibc's malloc
-    maps every block over 32 MiB afresh and unmaps it when freed, so each step's activations
-    and logits fault in their pages again: ~74,000 page faults a second in a rank's training,
-    none after the first steps with this. At the compute recipe's shape (2 cores, bfloat16,
-    median of 5 steps, 4 runs interleaved) the step took 3.5-4.0 s against 4.1-4.9 s (train
-    stage 2.2-2.5 s against 2.7-3.2 s). Resident memory stays at the process's peak. Empty
-    where Ray ships no jemalloc (macOS) or the user preloads a library already."""
+    to keep the pages it frees: for a trainer rank or a vLLM server on a CPU, of a model whose
+    weight files are under ``JEMALLOC_BELOW_BYTES``. glibc's malloc maps every block over 32 MiB
+    afresh and unmaps it when freed, so each step's activations and logits fault in their pages
+    again: ~74,000 page faults a second in a rank's training, none after the first steps with
+    this. At the compute recipe's shape (2 cores, bfloat16, median of 5 steps, 4 runs
+    interleaved) the step took 3.5-4.0 s against 4.1-4.9 s (train stage 2.2-2.5 s against
+    2.7-3.2 s). The price is memory: a process stays at its peak (jemalloc's finite decay times
+    gave the faults back). A larger model's step is compute-bound and its memory is what binds on
+    a CPU host: Qwen2.5-0.5B's full fine-tuning, at 91% of a 24 GiB host with glibc, ran out of
+    memory with this. Empty for those, where Ray ships no jemalloc (macOS), or where the user
+    preloads a library already."""
     spec = importlib.util.find_spec("ray")
     if spec is None or not spec.submodule_search_locations or "LD_PRELOAD" in os.environ:
         return {}
     lib = os.path.join(spec.submodule_search_locations[0], "core", "libjemalloc.so")
-    if not os.path.isfile(lib):
+    weights = [
+        os.path.join(model_path, f)
+        for f in (os.listdir(model_path) if os.path.isdir(model_path) else [])
+        if f.endswith((".safetensors", ".bin"))
+    ]
+    size = sum(os.path.getsize(f) for f in weights)
+    if not os.path.isfile(lib) or not weights or size >= JEMALLOC_BELOW_BYTES:
         return {}
     return {"LD_PRELOAD": lib, "MALLOC_CONF": os.environ.get("MALLOC_CONF", JEMALLOC_CONF)}
 

@@ -105,7 +105,7 @@ def cpu_options(
         # answer on 2 cores (rollout tokens/s unchanged without it, measured).
         "TORCH_COMPILE_DISABLE": "1",
         "OMP_NUM_THREADS": str(cpu_threads or engine_threads(model_path, cpu_sharing)),
-        **jemalloc_env(),  # rollout on the compute recipe: 1.3 -> 1.2 s a step (2 cores)
+        **jemalloc_env(model_path),  # rollout on the compute recipe: 1.3 -> 1.2 s a step (2 cores)
     }
     return args, env
 

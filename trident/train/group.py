@@ -95,7 +95,7 @@ class TrainerGroup(AbstractContextManager):
         actor_cls = ray.remote(PolicyWorker)
         addr, port = _rendezvous(plan)
         options = [plan.actor_options("trainer", rank) for rank in range(n)]
-        if plan.mode == "cpu" and not c.address and (env := jemalloc_env()):
+        if plan.mode == "cpu" and not c.address and (env := jemalloc_env(self.cfg.model.path)):
             # ranks on this host's CPUs: jemalloc (its path is this host's; ~0.5 s of the
             # rank's start, which the servers' start hides)
             options = [o | {"runtime_env": {"env_vars": env}} for o in options]
