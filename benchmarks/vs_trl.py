@@ -49,7 +49,9 @@ Each side runs as its own process, timed from its launch:
   the probe verification and the rest (draining requests, health check, prefix-cache reset);
 - the train stage's floor: the same token grids trained in plain PyTorch (``train_floor``), in
   this process (the system allocator) and, on a CPU, again under jemalloc as trident's ranks run
-  (``train_floor_jemalloc``): trident's own overhead is its train stage over the second;
+  (``train_floor_jemalloc``), each interleaved step by step with trident's rank code
+  (``PolicyWorker.train_step``) on the same lengths: trident's own overhead is its rank code over
+  the floor beside it (under jemalloc, as its ranks run);
 - TRL's split (mean per step after the first ``WARMUP``): generation + scoring
   (``_generate_and_score_completions``) vs the rest;
 - **held-out accuracy**: greedy answers on the 200 test prompts scored by trident's verifier,
@@ -79,15 +81,18 @@ from typing import Any
 
 import torch
 
+from trident.cluster.net import free_port
 from trident.cluster.process import jemalloc_env
 from trident.config import load_config
 from trident.data.loaders import load_split
 from trident.data.tasks import get_task
 from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, prompt_messages
 from trident.rewards import format_reward
+from trident.sample import Sample
 from trident.telemetry.lineage import read_samples
 from trident.train.batch import micro_batches
 from trident.train.fsdp import cosine_lr
+from trident.train.policy import PolicyWorker
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -286,22 +291,41 @@ def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float
     backward of each micro-batch and one AdamW step, with the loss -Σ A·logp / tokens; in a
     bfloat16 recipe, float32 weights under ``torch.autocast``. One process, no FSDP, no ratio,
     clipping or metrics: a floor any trainer of this model pays for these token grids. Median
-    over the run's steps after the first ``WARMUP``."""
+    over the run's steps after the first ``WARMUP``.
+
+    Interleaved with it, step by step in this process: trident's own rank code on the same
+    lengths and rewards (``PolicyWorker.train_step``, one rank, FSDP2, the recipe's settings;
+    random token ids), whose median over the floor's is trident's overhead free of the host's
+    drift between runs (±10-30% over minutes on the 2-core hosts measured)."""
     device = torch.device("cuda" if GPU else "cpu")
     net = load_causal_lm(model, "float32", device)
     half = r["dtype"] == "bfloat16"
     tok = load_tokenizer(model)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-6)  # a tiny lr: the weights barely move
     vocab = net.config.vocab_size
-    prompt_len: dict[str, int] = {}
-    recompute, optimize = [], []
+    cfg = load_config([RECIPE], [f"model.path={model}", f"pipeline.steps={r['steps']}",
+                                 *r["overrides"], *(TRIDENT_GPU if GPU else [])])  # fmt: skip
+    worker = PolicyWorker(cfg, 0, 1, "127.0.0.1", free_port())
+    trident_kernels = torch.are_deterministic_algorithms_enabled()  # run.deterministic's
+    prompt_ids: dict[str, list[int]] = {}
+    recompute, optimize, trident_recompute, trident_optimize = [], [], [], []
     for step in range(WARMUP, r["steps"]):
-        lengths = []
-        for row in read_samples(run_dir, step):
-            if row["prompt"] not in prompt_len:
-                ids = encode_chat(tok, prompt_messages(row["prompt"]))
-                prompt_len[row["prompt"]] = len(ids)
-            lengths.append(prompt_len[row["prompt"]] + row["response_tokens"])
+        lengths, samples = [], []
+        for i, row in enumerate(read_samples(run_dir, step)):
+            if row["prompt"] not in prompt_ids:
+                prompt_ids[row["prompt"]] = encode_chat(tok, prompt_messages(row["prompt"]))
+            prompt, n = prompt_ids[row["prompt"]], row["response_tokens"]
+            lengths.append(len(prompt) + n)
+            samples.append(
+                Sample(
+                    id=f"{step}-{i}", group_id=row["group_id"], reward=row["reward"],
+                    token_ids=prompt + torch.randint(0, vocab, (n,)).tolist(),
+                    loss_mask=[0] * len(prompt) + [1] * n,
+                    logprobs=[0.0] * len(prompt) + [-1.0] * n,
+                    versions=[-1] * len(prompt) + [step] * n,
+                    metadata={"row": {"prompt": row["prompt"], "task": cfg.data.task}},
+                )
+            )  # fmt: skip
         grids: list[list[tuple[torch.Tensor, ...]]] = []  # [mini-batch][micro-batch]
         for k in range(r["mini_batches"]):
             part = lengths[k :: r["mini_batches"]]
@@ -318,6 +342,7 @@ def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float
                 logits = net(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
             return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
+        torch.use_deterministic_algorithms(False)
         _synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -334,9 +359,18 @@ def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float
         _synchronize()
         recompute.append(t1 - t0)
         optimize.append(time.perf_counter() - t1)
+        torch.use_deterministic_algorithms(trident_kernels)
+        worker.served_version = step  # as after the sync that served these samples
+        m = worker.train_step(samples)
+        trident_recompute.append(m["time/recompute_s"])
+        trident_optimize.append(m["time/optimize_s"])
+    worker.shutdown()
+    torch.use_deterministic_algorithms(False)
     return {
         "train floor: recompute": statistics.median(recompute),
         "train floor: forward + backward + AdamW": statistics.median(optimize),
+        "trident interleaved: recompute": statistics.median(trident_recompute),
+        "trident interleaved: optimizer steps": statistics.median(trident_optimize),
     }
 
 
@@ -672,25 +706,9 @@ def _markdown(res: dict[str, Any], result: dict[str, Any]) -> str:
         if "parts" in s:
             parts = ", ".join(f"{k} {v:.2f} s" for k, v in s["parts"].items())
             lines += ["", f"{name}, inside those stages: {parts}."]
-        if "floor" in s:
-            floor = ", ".join(f"{k.split(': ')[1]} {v:.2f} s" for k, v in s["floor"].items())
-            lines += [
-                "",
-                f"The train stage's floor, plain PyTorch in one process on the token grids "
-                f"{name} trained (no FSDP, no loss terms beyond A·logp, no metrics; the system "
-                f"allocator): {floor}.",
-            ]
-            train = s["stages"]["train"]
-            ratios = f"{train / sum(s['floor'].values()):.2f}× that floor"
-            if s.get("floor (jemalloc)"):
-                jem = s["floor (jemalloc)"]
-                floor = ", ".join(f"{k.split(': ')[1]} {v:.2f} s" for k, v in jem.items())
-                lines += [
-                    "",
-                    f"The same floor under jemalloc, as trident's ranks on a CPU: {floor}.",
-                ]
-                ratios += f", {train / sum(jem.values()):.2f}× the jemalloc floor"
-            lines += ["", f"{name}'s train stage: {ratios}."]
+        for label, key in (("the system allocator", "floor"), ("jemalloc", "floor (jemalloc)")):
+            if s.get(key):
+                lines += ["", _floor_line(name, s["stages"]["train"], label, s[key])]
     if r["evaluate"]:
         acc = {name: s["accuracy"] for name, s in sides.items()}
         lines += ["", "| held-out accuracy at step | " + " | ".join(acc) + " |"]
@@ -698,6 +716,24 @@ def _markdown(res: dict[str, Any], result: dict[str, Any]) -> str:
         for step in sorted(next(iter(acc.values()))):
             lines.append(f"| {step} | " + " | ".join(f"{a[step]:.1%}" for a in acc.values()) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _floor_line(name: str, train: float, allocator: str, f: dict[str, float]) -> str:
+    """One allocator's floor (``train_floor``) beside trident's rank code and train stage."""
+    floor = f["train floor: recompute"] + f["train floor: forward + backward + AdamW"]
+    rank = f["trident interleaved: recompute"] + f["trident interleaved: optimizer steps"]
+    steps = f["trident interleaved: optimizer steps"] / f["train floor: forward + backward + AdamW"]
+    return (
+        f"Train stage, one process ({allocator}), median per step after the first {WARMUP}: the "
+        f"floor, plain PyTorch on the token grids {name} trained (no FSDP, no loss terms beyond "
+        f"A·logp, no metrics), recompute {f['train floor: recompute']:.2f} s + forward, backward "
+        f"and AdamW {f['train floor: forward + backward + AdamW']:.2f} s; interleaved with it, "
+        f"{name}'s rank code on the same lengths, recompute "
+        f"{f['trident interleaved: recompute']:.2f} s + optimizer steps "
+        f"{f['trident interleaved: optimizer steps']:.2f} s: **{rank / floor:.2f}×** the floor "
+        f"(optimizer steps alone {steps:.2f}×). {name}'s train stage in its run, minutes "
+        f"earlier: {train / floor:.2f}× this floor."
+    )
 
 
 if __name__ == "__main__":
