@@ -217,15 +217,20 @@ def time_to_target(accuracy: dict[int, float], step_ends: list[float], target: f
 # -- trident -------------------------------------------------------------------------------------
 
 
+def trident_overrides(model: str, r: dict[str, Any]) -> list[str]:
+    """The recipe as trident's config overrides (its run and its rank code beside the floor)."""
+    return [f"model.path={model}", f"pipeline.steps={r['steps']}", *r["overrides"],
+            *(TRIDENT_GPU if GPU else [])]  # fmt: skip
+
+
 def run_trident(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
     """``trident train`` on the recipe; step times from when each metrics row appears."""
     name, steps = f"trident-{r['name']}", r["steps"]
     run_dir = work / name
     cmd = [
-        sys.executable, "-m", "trident.cli", "train", "-c", str(RECIPE), f"model.path={model}",
-        f"run.dir={work}", f"run.name={name}", "run.overwrite=true", f"pipeline.steps={steps}",
-        "eval.before_after=false", "telemetry.progress=false", *r["overrides"],
-        *(TRIDENT_GPU if GPU else []),
+        sys.executable, "-m", "trident.cli", "train", "-c", str(RECIPE), *trident_overrides(model, r),
+        f"run.dir={work}", f"run.name={name}", "run.overwrite=true",
+        "eval.before_after=false", "telemetry.progress=false",
     ]  # fmt: skip
     if r["evaluate"]:
         cmd += [f"checkpoint.every={EVAL_EVERY}", f"checkpoint.keep_last={steps // EVAL_EVERY + 1}"]
@@ -303,8 +308,7 @@ def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float
     tok = load_tokenizer(model)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-6)  # a tiny lr: the weights barely move
     vocab = net.config.vocab_size
-    cfg = load_config([RECIPE], [f"model.path={model}", f"pipeline.steps={r['steps']}",
-                                 *r["overrides"], *(TRIDENT_GPU if GPU else [])])  # fmt: skip
+    cfg = load_config([RECIPE], trident_overrides(model, r))
     worker = PolicyWorker(cfg, 0, 1, "127.0.0.1", free_port())
     trident_kernels = torch.are_deterministic_algorithms_enabled()  # run.deterministic's
     prompt_ids: dict[str, list[int]] = {}

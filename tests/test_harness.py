@@ -91,9 +91,8 @@ def test_sync_and_separate_async_at_eta_zero_train_the_same_samples(tiny_model, 
                     asyncio.run(run(cfg, fleet.router, trainer, log))
                     sender = group.pids["trainer_rank0"]
                     assert list(Path("/dev/shm").glob(f"trident-weights-{sender}-*"))
-                    if jemalloc_env(
-                        tiny_model
-                    ):  # a rank and a server on CPUs allocate through jemalloc
+                    # a rank and a server on CPUs allocate through jemalloc
+                    if jemalloc_env(tiny_model):
                         for pid in (sender, *fleet.pids().values()):
                             assert "libjemalloc" in Path(f"/proc/{pid}/maps").read_text(), pid
                 log.close()
