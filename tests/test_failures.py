@@ -99,7 +99,7 @@ def test_ctrl_c_or_kill_leaves_no_process(sig, code, tiny_model, tmp_path):
 # -- a connection dropped without an answer ------------------------------------------------------
 
 
-async def _dropping_server(drops: int) -> tuple[asyncio.Server, list[int]]:
+async def _dropping_server(drops: int, port: int = 0) -> tuple[asyncio.Server, list[int]]:
     """An HTTP server on loopback that closes its first ``drops`` connections after reading the
     request, without answering (what a server closing an idle keep-alive connection looks like
     to the client reusing it), then answers ``{"ok": true}``. Returns it and its connection
@@ -123,7 +123,7 @@ async def _dropping_server(drops: int) -> tuple[asyncio.Server, list[int]]:
             await writer.drain()
         writer.close()
 
-    return await asyncio.start_server(handle, "127.0.0.1", 0), seen
+    return await asyncio.start_server(handle, "127.0.0.1", port), seen
 
 
 @pytest.mark.parametrize(("drops", "answered"), [(1, True), (2, False)])
@@ -147,7 +147,29 @@ def test_a_dropped_connection_is_retried_once(drops, answered):
         assert (got, connections) == ({"ok": True}, 2)
     else:  # a server that keeps dropping is an error that names it, after one retry only
         assert connections == 2
-        assert "/v1/completions" in got and "RemoteProtocolError" in got
+        assert "/v1/completions" in got and "ServerDisconnectedError" in got
+
+
+def test_a_client_used_by_successive_event_loops_leaves_no_session_open():
+    """The fleet's clients serve the evals and the run, each its own ``asyncio.run``: each loop's
+    session is closed as that loop ends, without ``aclose``."""
+    from trident.cluster.net import free_port
+    from trident.rollout.engine import VLLMClient
+
+    port, sessions = free_port(), []
+    client = VLLMClient(f"http://127.0.0.1:{port}", timeout_s=10)
+
+    async def one_loop() -> dict:
+        server, _ = await _dropping_server(0, port)
+        try:
+            answer = await client._post("/v1/completions", {"prompt": [1]})
+            sessions.append(client.http)
+            return answer
+        finally:
+            server.close()
+
+    assert [asyncio.run(one_loop()) for _ in range(2)] == [{"ok": True}] * 2
+    assert len(set(map(id, sessions))) == 2 and all(s.closed for s in sessions)
 
 
 # -- a hang ---------------------------------------------------------------------------------------
