@@ -106,6 +106,12 @@ def engine_error(where: str, error: Exception) -> EngineError:
     return EngineError(f"{where}: {type(error).__name__}: {error}")
 
 
+def within(timeout_s: float) -> aiohttp.ClientTimeout:
+    """At most ``timeout_s`` to connect and between two reads (not for the whole request: a
+    long generation answers once, when it is done, so its wait is one read)."""
+    return aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+
+
 _closers: set[asyncio.Task] = set()  # the sessions' closers (a task needs a reference)
 
 
@@ -154,14 +160,14 @@ class VLLMClient:
         return self._session
 
     async def _get(self, path: str, timeout_s: float) -> tuple[int, str]:
-        limit = aiohttp.ClientTimeout(total=timeout_s)
+        limit = within(timeout_s)
         async with self.http.get(f"{self.url}{path}", timeout=limit) as r:
             return r.status, await r.text()
 
     async def _post(
         self, path: str, payload: dict | None = None, timeout: float | None = None
     ) -> dict:
-        limit = aiohttp.ClientTimeout(total=timeout or self.timeout_s)
+        limit = within(timeout or self.timeout_s)
         retried = False
         while True:
             try:
