@@ -91,7 +91,7 @@ from trident.rewards import format_reward
 from trident.sample import Sample
 from trident.telemetry.lineage import read_samples
 from trident.train.batch import micro_batches
-from trident.train.fsdp import cosine_lr
+from trident.train.fsdp import adamw, cosine_lr
 from trident.train.policy import PolicyWorker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -293,7 +293,7 @@ def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float
     recipe's mini-batches ``samples[k::M]``, each split into micro-batches as trident's trainer
     splits it, ``micro_batches`` by ``trainer.micro_batch_tokens``): the no-grad forward of the
     mini-batches after the first (their pre-step logprobs), then per mini-batch the forward and
-    backward of each micro-batch and one AdamW step, with the loss -Σ A·logp / tokens; in a
+    backward of each micro-batch and one (fused) AdamW step, with the loss -Σ A·logp / tokens; in a
     bfloat16 recipe, float32 weights under ``torch.autocast``. One process, no FSDP, no ratio,
     clipping or metrics: a floor any trainer of this model pays for these token grids. Median
     over the run's steps after the first ``WARMUP``.
@@ -306,7 +306,7 @@ def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float
     net = load_causal_lm(model, "float32", device)
     half = r["dtype"] == "bfloat16"
     tok = load_tokenizer(model)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-6)  # a tiny lr: the weights barely move
+    opt = adamw(net.parameters(), 1e-6)  # fused, as TRL's; a tiny lr: the weights barely move
     vocab = net.config.vocab_size
     cfg = load_config([RECIPE], trident_overrides(model, r))
     worker = PolicyWorker(cfg, 0, 1, "127.0.0.1", free_port())

@@ -320,7 +320,7 @@ class TrainerConfig(Section):
     num_ranks: int = Field(
         default=1, ge=1, description="FSDP2 ranks (Ray actors); gloo on CPU, NCCL on GPU."
     )
-    lr: float = Field(default=1e-4, gt=0, description="AdamW learning rate.")
+    lr: float = Field(default=1e-4, gt=0, description="Learning rate of the (fused) AdamW.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")

@@ -114,7 +114,7 @@ class PolicyWorker:
     def _optimizer(self, model: torch.nn.Module, lr: float):
         tc = self.cfg.trainer
         trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-        opt = torch.optim.AdamW(trained, lr=lr, betas=tc.betas, weight_decay=tc.weight_decay)
+        opt = fsdp.adamw(trained, lr, tc.betas, tc.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt,
             lambda s: fsdp.cosine_lr(s, self.cfg.pipeline.steps, tc.warmup_steps, tc.lr_schedule),
