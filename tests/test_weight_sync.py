@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -35,7 +36,7 @@ from trident.weights.sync import (
     make_probe,
     probe_logprobs,
 )
-from trident.weights.vllm_plugin import checksum
+from trident.weights.vllm_plugin import checksum, inspect_models_in_process
 
 # float32 on both sides; measured here: ~1e-6 before and after a sync.
 TOLERANCE = 1e-4
@@ -105,6 +106,31 @@ def test_bucket_files_of_a_dead_sender_are_removed(tmp_path: Path) -> None:
         path.write_bytes(b"x")
     shm._remove_orphans(tmp_path)  # what WeightSync.init does first
     assert not orphan.exists() and alive.exists() and other.exists()
+
+
+def test_cpu_servers_inspect_model_classes_without_a_subprocess(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On a machine with no cached answer, a CPU server's plugin has vLLM inspect the model
+    class in its own process (no interpreter started), and the answer is still cached."""
+    import subprocess
+
+    import vllm.model_executor.models.registry as registry
+
+    run = subprocess.run
+
+    def no_inspection(command: object, *args: Any, **kwargs: Any) -> object:
+        assert command != registry._SUBPROCESS_COMMAND, "an inspection subprocess was started"
+        return run(command, *args, **kwargs)
+
+    monkeypatch.setattr(registry, "_run_in_subprocess", registry._run_in_subprocess)  # undone
+    monkeypatch.setattr(subprocess, "run", no_inspection)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    inspect_models_in_process()
+    info = registry.ModelRegistry.models["Qwen2ForCausalLM"].inspect_model_cls()
+    assert info.is_text_generation_model
+    cached = json.loads(next((tmp_path / "modelinfos").glob("*Qwen2ForCausalLM.json")).read_text())
+    assert cached["modelinfo"]["is_text_generation_model"]
 
 
 def test_make_probe_is_fixed_and_avoids_special_tokens(checkpoint: str) -> None:
