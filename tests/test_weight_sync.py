@@ -108,11 +108,11 @@ def test_bucket_files_of_a_dead_sender_are_removed(tmp_path: Path) -> None:
     assert not orphan.exists() and alive.exists() and other.exists()
 
 
-def test_cpu_servers_inspect_model_classes_without_a_subprocess(
+def test_inspect_models_in_process_starts_no_interpreter(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """On a machine with no cached answer, a CPU server's plugin has vLLM inspect the model
-    class in its own process (no interpreter started), and the answer is still cached."""
+    """With no cached answer, ``inspect_models_in_process`` (what a CPU server's plugin
+    applies) has vLLM inspect the model class in this process, and the answer is still cached."""
     import subprocess
 
     import vllm.model_executor.models.registry as registry
