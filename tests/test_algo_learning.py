@@ -142,6 +142,7 @@ def test_engine_logprobs_as_pi_old(make_worker, tiny_model):
     from trident.weights.tensors import full_tensor
 
     args = (f"model.path={tiny_model}", "trainer.mini_batches=2", "algo.is_level=token")
+    args += ("trainer.skip_zero_advantage=false",)  # token means over the same rows either way
     recomputing = make_worker(*args, "algo.old_logprobs=recompute")
     samples = make_samples(recomputing.tokenizer, prompts=3, n=3, seed=2)
     full = collate(samples, recomputing.tokenizer.pad_token_id)
@@ -243,7 +244,7 @@ def test_gae_advantages_use_the_critic_and_are_whitened(make_worker, tiny_model)
     samples = make_samples(worker.tokenizer)
     full, grids = grids_for(worker, samples)
     grids["values"] = torch.rand_like(full.mask) * full.mask  # a critic that is not zero
-    adv, returns, metrics = worker.advantages(samples, full, grids)
+    adv, returns, metrics = worker.adv.compute(samples, full.mask, grids)
     rewards = torch.tensor([s.reward for s in samples])
     raw, expected_returns = alg.gae_advantages_and_returns(
         rewards, grids["values"], full.mask, gamma=1.0, lam=0.9
@@ -265,7 +266,7 @@ def test_kl_in_reward_and_adaptive_coefficient(make_worker, tiny_model, other_mo
     assert worker.cfg.algo.kl_in_reward and worker.cfg.algo.kl_estimator == "k1"
     samples = make_samples(worker.tokenizer)
     full, grids = grids_for(worker, samples)
-    adv, _, metrics = worker.advantages(samples, full, grids)
+    adv, _, metrics = worker.adv.compute(samples, full.mask, grids)
     rewards = torch.tensor([s.reward for s in samples])
     kl = alg.kl_estimate(grids["old"], grids["ref"], "k1") * full.mask
     shaped = alg.kl_penalty_in_reward(rewards, kl, full.mask, 0.05)
@@ -301,14 +302,14 @@ def test_running_baseline_with_single_samples(make_worker, tiny_model):
     for s, r in zip(second, [1.0, 0.0, 1.0, 0.0], strict=True):
         s.reward = r
     full1, g1 = grids_for(worker, first)
-    worker.advantages(first, full1, g1)
+    worker.adv.compute(first, full1.mask, g1)
     full2, g2 = grids_for(worker, second)
-    adv, _, _ = worker.advantages(second, full2, g2)
+    adv, _, _ = worker.adv.compute(second, full2.mask, g2)
     # keyed by prompt (not by group): the baseline of step 2 is the reward of step 1
     for i, (s1, s2) in enumerate(zip(first, second, strict=True)):
         last = int(full2.mask[i].nonzero().max())
         assert float(adv[i, last]) == pytest.approx(s2.reward - s1.reward)
-    assert len(worker.baseline_state["per_prompt"]) == 4
+    assert len(worker.adv.baseline_state["per_prompt"]) == 4
     worker.train_step(second)  # and a whole step runs
 
 
@@ -323,11 +324,11 @@ def test_distillation_advantage_and_routing(make_worker, tiny_model, other_model
     countdown = make_samples(worker.tokenizer, prompts=1, seed=9)
     for s in countdown:
         s.metadata["row"] = {**s.metadata["row"], "task": "countdown"}
-    assert worker.teacher_key(samples[0]) == "arithmetic"
-    assert worker.teacher_key(countdown[0]) == "default"
+    assert worker.adv.teacher_key(samples[0]) == "arithmetic"
+    assert worker.adv.teacher_key(countdown[0]) == "default"
     batch = samples + countdown
     full, grids = grids_for(worker, batch)
-    adv, _, metrics = worker.advantages(batch, full, grids)
+    adv, _, metrics = worker.adv.compute(batch, full.mask, grids)
     mask = full.mask
     expected = -0.5 * (grids["old"] - grids["teacher"]) * mask  # reward_coef = 0
     torch.testing.assert_close(adv, expected)

@@ -258,7 +258,7 @@ def test_train_step_reports_the_rl_loss_of_its_tensors(tiny_model):
         with torch.no_grad():
             logp, entropy = token_logprobs(worker.model, full, with_entropy=True)
         assert entropy is not None
-        adv, _, _ = worker.advantages(samples, full, {})
+        adv, _, _ = worker.adv.compute(samples, full.mask, {})
         a = worker.cfg.algo
         spec = LossSpec(
             clip_eps_low=a.clip_eps_low,
@@ -298,3 +298,58 @@ def test_the_length_normaliser_is_the_runs_response_budget(overrides, budget):
 
     cfg = load_config([], ["algo.name=dr_grpo", *overrides])
     assert _loss_spec(cfg, 0.0).norm_tokens == budget
+
+
+@pytest.mark.parametrize(("old_logprobs", "mini_batches"), [("engine", 1), ("recompute", 2)])
+def test_skipping_zero_advantage_rows_changes_no_weight(tiny_model, old_logprobs, mini_batches):
+    """``trainer.skip_zero_advantage``: rows whose advantages are all 0 get no forward or backward
+    pass, and the weights after two steps are those of training every row: a step with some groups
+    of equal rewards, then one where every group's rewards are equal (the optimizer still steps,
+    on zero gradients, as AdamW's momentum moves the weights)."""
+    from tests.test_algo_learning import BASE, make_samples
+    from trident.cluster.net import free_port
+    from trident.config import load_config
+    from trident.train.policy import PolicyWorker
+
+    def batches(tokenizer) -> list[list]:
+        mixed = make_samples(tokenizer, prompts=3, n=4)
+        for s, r in zip(mixed, [1.0] * 4 + [1.0, 0.0, 0.0, 1.0] + [0.0] * 4, strict=True):
+            s.reward = r  # groups p0 and p2 without signal, p1 with
+        flat = make_samples(tokenizer, prompts=2, n=4, seed=1)
+        for s in flat:
+            s.reward = 1.0
+        return [mixed, flat]
+
+    weights, metrics, passed = {}, {}, {}
+    for skip in (False, True):
+        overrides = [
+            f"model.path={tiny_model}", f"trainer.skip_zero_advantage={str(skip).lower()}",
+            f"algo.old_logprobs={old_logprobs}", f"trainer.mini_batches={mini_batches}",
+            "trainer.weight_decay=0.1",
+        ]  # fmt: skip
+        worker = PolicyWorker(load_config([], [*BASE, *overrides]), 0, 1, "127.0.0.1", free_port())
+        rows: list[int] = []
+
+        def count(_module, _args, kwargs, rows=rows):
+            if torch.is_grad_enabled():
+                rows.append(kwargs["input_ids"].shape[0])
+
+        worker.model.register_forward_pre_hook(count, with_kwargs=True)
+        try:
+            metrics[skip] = [worker.train_step(b) for b in batches(worker.tokenizer)]
+            weights[skip] = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+        finally:
+            worker.shutdown()
+        passed[skip] = sum(rows)
+    # every row passed: 12 + 8. Skipping, pi_old the engine's: group p1's 4 rows, then one
+    # zero-weight pass of one row. Recomputing it, the first mini-batch (rows 0-5, then 0-3) is
+    # forwarded whole for pi_old: 6 + p1's 2 rows in the second, then 4 + the zero-weight pass.
+    assert passed[False] == 20
+    assert passed[True] == (5 if old_logprobs == "engine" else 13)
+    for key, value in weights[False].items():
+        torch.testing.assert_close(weights[True][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for off, on in zip(metrics[False], metrics[True], strict=True):
+        assert on["loss"] == pytest.approx(off["loss"], rel=1e-5, abs=1e-7)
+        assert on["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-5, abs=1e-7)
+    if old_logprobs == "engine":  # the second step trained no token: no token mean
+        assert math.isnan(metrics[True][1]["entropy"])

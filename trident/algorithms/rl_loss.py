@@ -140,3 +140,21 @@ def add_sums(total: dict[str, float], sums: dict[str, float]) -> None:
     for key, value in sums.items():
         before = total.get(key, 0.0)
         total[key] = max(before, value) if key.endswith("_max") else before + value
+
+
+def gradient_rows(
+    rows: list[int], adv: Tensor, mask: Tensor, spec: LossSpec, kl_term: bool
+) -> list[int]:
+    """The ``rows`` (of [B, T] ``adv`` and ``mask``) whose policy gradient may be nonzero.
+
+    Every policy loss (ppo_clip, dual_clip, gspo, cispo, reinforce; :mod:`.losses`) is
+    l_t = A_t f(r_t), times an importance weight, so a row whose loss tokens all have A_t = 0
+    (a GRPO group whose rewards are all equal; a row without loss tokens) adds nothing to the
+    gradient, unless the loss has another term: an entropy bonus, or a reference-KL term
+    (``kl_term``, counted when its coefficient is not 0). Its tokens and sequence stay in the
+    loss's normalisers, so leaving it out changes no weight (DAPO's dynamic sampling drops such
+    groups and renormalises over the rest; nothing is renormalised here)."""
+    if spec.entropy_coef > 0 or (kl_term and spec.kl_coef != 0):
+        return rows
+    signal = ((adv[rows] != 0) & (mask[rows] > 0)).any(1).tolist()
+    return [r for r, s in zip(rows, signal, strict=True) if s]

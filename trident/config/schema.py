@@ -338,25 +338,22 @@ class TrainerConfig(Section):
         ge=1,
         description="Optimizer steps per training step (the batch is split into this many).",
     )
+    skip_zero_advantage: bool = Field(
+        default=True,
+        description="Skip the forward and backward passes of samples whose every loss token has advantage 0 (a GRPO group whose rewards are all equal): the policy losses are advantage-weighted, so such a sample adds nothing to the gradient, while the loss's normalisers still count it. Only where the loss has no other term (no entropy bonus, no reference-KL term, no critic). Token means such as entropy then cover the samples trained.",
+    )
     packing: bool = Field(
         default=False,
-        description="Pack each micro-batch's samples into one row with no padding (positions restart per sample; "
-        "attention stays within a sample), and fill micro_batch_tokens with real tokens instead of rows x longest "
-        "row. The critic runs padded.",
+        description="Pack each micro-batch's samples into one row with no padding (positions restart per sample; attention stays within a sample), and fill micro_batch_tokens with real tokens instead of rows x longest row. The critic runs padded.",
     )
     activation_checkpointing: bool = Field(
         default=False,
-        description="Keep only each decoder layer's input in the forward pass and recompute the layer in the "
-        "backward pass (transformers' gradient checkpointing, non-reentrant): activation memory of one layer instead "
-        "of all, for about one more forward pass of compute. Policy, critic and SFT.",
+        description="Keep only each decoder layer's input in the forward pass and recompute the layer in the backward pass (transformers' gradient checkpointing, non-reentrant): activation memory of one layer instead of all, for about one more forward pass of compute. Policy, critic and SFT.",
     )
     logprob_chunk_tokens: int = Field(
         default=1024,
         ge=0,
-        description="Token positions whose vocabulary projection (logits, logprob, entropy) is held at once, forward "
-        "and backward, each chunk projected again in the backward pass: memory bounded by a few chunk x vocab float32 "
-        "grids instead of several micro-batch x vocab ones (1024 x 151,936 = 0.6 GB a grid). 0 = the whole "
-        "micro-batch at once. Heads that scale or soft-cap logits always take the whole grid.",
+        description="Token positions whose vocabulary projection (logits, logprob, entropy) is held at once, forward and backward, each chunk projected again in the backward pass: memory bounded by a few chunk x vocab float32 grids instead of several micro-batch x vocab ones (1024 x 151,936 = 0.6 GB a grid). 0 = the whole micro-batch at once. Heads that scale or soft-cap logits always take the whole grid.",
     )
     cpu_threads: int = Field(
         default=0,

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from trident import algorithms as alg
-from trident.algorithms.rl_loss import LossSpec, add_sums, rl_loss
+from trident.algorithms.rl_loss import LossSpec, add_sums, gradient_rows, rl_loss
 from trident.config import TridentConfig
 from trident.models.load import load_causal_lm, load_tokenizer
 from trident.sample import Sample
@@ -121,27 +121,12 @@ class PolicyWorker:
         )
         return opt, sched
 
-    # -- the advantages' state, read through the worker ---------------------------------------
+    # -- the advantages' state ------------------------------------------------------------------
 
     @property
     def kl_coef(self) -> float:
         """beta of the KL to the reference: fixed, or the adaptive controller's current value."""
         return self.adv.kl_coef
-
-    @property
-    def baseline_state(self) -> dict | None:
-        """The running baselines (``advantage=running_baseline``), else None."""
-        return self.adv.baseline_state
-
-    def teacher_key(self, sample: Sample) -> str:
-        """The ``model.teacher_paths`` key of the sample's teacher: its task, else ``default``."""
-        return self.adv.teacher_key(sample)
-
-    def advantages(
-        self, samples: list[Sample], full: Batch, grids: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
-        """(advantages [B, T], critic returns [B, T] or None, metrics) for the whole batch."""
-        return self.adv.compute(samples, full.mask, grids)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -186,9 +171,12 @@ class PolicyWorker:
         # beside the engine's, the mismatch the engine's carry (NaN: rows not measured)
         before = local["old"] if not engine_old else torch.full_like(local["old"], math.nan)
         t2 = time.perf_counter()
+        passed = []  # each mini-batch's rows passed forward (fused: all the first's, for pi_old)
         for k, chunk in enumerate(chunks):
-            fill = before if k == 0 and (fused or engine_old) else None
-            self._optimizer_step(batch, chunk, adv, local, returns, sums, fill)
+            fill, whole = (before, fused) if k == 0 and (fused or engine_old) else (None, False)
+            passed.append(
+                self._optimizer_step(batch, chunk, adv, local, returns, sums, fill, whole)
+            )
         t3 = time.perf_counter()
         self.served_version = None  # the weights moved on from the version the servers hold
         per_sample = _per_sample(
@@ -206,7 +194,7 @@ class PolicyWorker:
         lr = float(self.sched.get_last_lr()[0])
         metrics = _reduce_metrics(sums, lr, self.world, self.device)
         if engine_old:  # pi_old = the engine's: the mismatch is the first mini-batch's, measured
-            rows = chunks[0]
+            rows = passed[0]
             metrics |= _mismatch(
                 before[rows], batch.engine_logp[rows], engine_mask[rows], self.world
             )
@@ -255,19 +243,24 @@ class PolicyWorker:
         returns: torch.Tensor | None,
         sums: dict[str, float],
         fill: torch.Tensor | None = None,
-    ) -> None:
-        """One optimizer step on ``rows``; ``fill``: the grid their (pre-step) logprobs from
-        these forward passes go into (``local["old"]`` when it is not computed yet)."""
+        whole: bool = False,
+    ) -> list[int]:
+        """One optimizer step on ``rows`` (unless ``whole``, less those of zero gradient:
+        ``trainer.skip_zero_advantage``); returns the rows passed. ``fill``: the grid their
+        (pre-step) logprobs from these forward passes go into (``local["old"]`` if not yet)."""
         tc, spec = self.cfg.trainer, _loss_spec(self.cfg, self.kl_coef)
         temperature = self.cfg.rollout.temperature or 1.0
         old_logp, values_old = local["old"], local.get("values")
         ref_logp = None if self.cfg.algo.kl_in_reward else local.get("ref")  # a KL loss term
-        tokens, seqs = alg.loss_denominators(batch.mask[rows])
+        tokens, seqs = alg.loss_denominators(batch.mask[rows])  # every row counts in these
         counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)  # global denominators: N ranks equal one
+        if tc.skip_zero_advantage and not whole and self.critic is None:
+            rows = gradient_rows(rows, adv, batch.mask, spec, kl_term=ref_logp is not None)
         lengths = batch.attention_mask[rows].sum(1).tolist()
         budget, packed = tc.micro_batch_tokens, tc.packing
-        for part in even_micro_batches(lengths, budget, self.world, self.device, packed):
+        # no row left: a zero-weight pass, and AdamW steps as it would have (momentum, decay)
+        for part in even_micro_batches(lengths, budget, self.world, self.device, packed) or [None]:
             dummy = part is None  # zero-weight pass that keeps the FSDP collectives in step
             idx = [0] if part is None else [rows[i] for i in part]
             mb = select_rows(batch, idx)
@@ -291,12 +284,12 @@ class PolicyWorker:
             (out.policy * self.world).backward()
             if out.value is not None:
                 (out.value * self.world).backward()
-            if not dummy:
-                add_sums(sums, out.sums)
+            add_sums(sums, out.sums)  # a zero-weight pass adds zeros: every rank has the keys
         sums["grad_norm"] += _clip_and_step(self.model, self.opt, tc.grad_clip)
         if self.critic is not None:
             sums["critic_grad_norm"] += _clip_and_step(self.critic, self.critic_opt, tc.grad_clip)
         sums["optimizer_steps"] += 1
+        return rows
 
     # -- weight sync ---------------------------------------------------------------------------
 
@@ -599,7 +592,7 @@ def _reduce_metrics(
         dist.all_reduce(mx, op=dist.ReduceOp.MAX)
         maximum_values = mx.tolist()
     total = dict(zip(keys, t.tolist(), strict=True))
-    tokens = max(total.pop("tokens", 0.0), 1.0)
+    tokens = total.pop("tokens", 0.0) or math.nan  # no token trained (all skipped): no means
     steps = total.pop("optimizer_steps") / world
     out: dict[str, float] = {"lr": lr}
     for key in ("loss", "value_loss"):  # each rank's share of the batch loss: sum, per step
