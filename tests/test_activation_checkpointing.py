@@ -11,11 +11,12 @@ from trident.config import load_config
 from trident.train.policy import PolicyWorker
 
 
-def _step(tiny_model: str, checkpointing: bool) -> tuple[dict[str, float], int]:
+def _step(tiny_model: str, checkpointing: bool, shared: bool = False) -> tuple[dict, int]:
     """One ``train_step`` on fixed samples: its metrics and how often decoder layer 0 ran."""
     overrides = [
         f"model.path={tiny_model}",
         f"trainer.activation_checkpointing={str(checkpointing).lower()}",
+        f"trainer.share_prompts={str(shared).lower()}",  # two forward passes, counted apart
     ]
     worker = PolicyWorker(load_config([], [*BASE, *overrides]), 0, 1, "127.0.0.1", free_port())
     try:
@@ -36,3 +37,7 @@ def test_checkpointing_recomputes_the_layers_and_trains_the_same(tiny_model):
     assert calls > plain_calls, (calls, plain_calls)
     for key in ("loss", "grad_norm", "entropy"):
         assert checkpointed[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
+    # a recomputed layer keeps no keys and values: shared prompts give way to the padded pass
+    shared, _ = _step(tiny_model, True, shared=True)
+    for key in ("loss", "grad_norm", "entropy"):
+        assert shared[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key

@@ -1,5 +1,6 @@
-"""``trainer.packing``: a micro-batch's samples in one row with no padding computes what the
-padded micro-batch computes: logprobs, entropies, their gradients, and a whole training step."""
+"""``trainer.packing`` (a micro-batch's samples in one row with no padding) and
+``trainer.share_prompts`` (a prompt run once for the rows that share it) compute what the padded
+micro-batch computes: logprobs, entropies, their gradients, and a whole training step."""
 
 from __future__ import annotations
 
@@ -89,3 +90,102 @@ def test_a_packed_training_step_equals_a_padded_one(tiny_model):
     for padded, packed in zip(*metrics, strict=True):
         for key in ("loss", "grad_norm", "entropy"):
             assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
+
+
+def test_shared_prompts_equal_padded_values_and_gradients(tiny_model):
+    """Groups of rows with one prompt each (prompts of different lengths), a response with a
+    masked span inside (a tool's output), a one-token response and a row without loss tokens:
+    the loss tokens' logprobs, entropies and the gradients are the padded pass's, from one
+    forward pass over the 3 prompts and one over the 8 rows with loss tokens."""
+    tokenizer = load_tokenizer(tiny_model)
+    model = load_causal_lm(tiny_model, "float32", torch.device("cpu"))
+    samples = make_samples(tokenizer, prompts=3, n=3, seed=3)
+    for s in samples[6:]:  # the third prompt two tokens longer
+        s.token_ids = s.token_ids[:2] + s.token_ids
+        s.loss_mask, s.logprobs = [0, 0] + s.loss_mask, [0.0, 0.0] + s.logprobs
+        s.versions = [-1, -1] + s.versions
+    samples[1].loss_mask[-3] = 0  # a span the model did not write
+    cut = samples[4].loss_mask.index(1) + 1  # a one-token response
+    samples[4].token_ids, samples[4].loss_mask = (
+        samples[4].token_ids[:cut],
+        samples[4].loss_mask[:cut],
+    )
+    samples[4].logprobs, samples[4].versions = samples[4].logprobs[:cut], samples[4].versions[:cut]
+    samples[7].loss_mask = [0] * len(samples[7].token_ids)  # nothing to train
+    batch = collate(samples, tokenizer.pad_token_id)
+    rows: list[int] = []
+    model.register_forward_pre_hook(
+        lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    results = []
+    for shared in (False, True):
+        model.zero_grad()
+        logp, entropy = token_logprobs(
+            model, batch, 0.7, with_entropy=True, chunk_tokens=7, shared=shared
+        )
+        assert entropy is not None
+        loss = ((logp * 0.3 + entropy * 0.1) * batch.mask).sum()
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((logp * batch.mask, entropy * batch.mask, grads))
+    assert rows == [9, 3, 8]  # padded: every row; shared: the prompts, then the rows' rest
+    (logp_a, ent_a, grads_a), (logp_b, ent_b, grads_b) = results
+    torch.testing.assert_close(logp_b, logp_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_b, ent_a, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_a_training_step_with_shared_prompts_equals_a_padded_one(tiny_model):
+    """Through FSDP2 (two forward passes before one backward pass) and two optimizer steps."""
+    weights, metrics = [], []
+    for shared in (False, True):
+        overrides = [f"model.path={tiny_model}", f"trainer.share_prompts={str(shared).lower()}"]
+        worker = PolicyWorker(load_config([], [*BASE, *overrides]), 0, 1, "127.0.0.1", free_port())
+        try:
+            samples = make_samples(worker.tokenizer, prompts=2, n=4)
+            metrics.append([worker.train_step(samples) for _ in range(2)])
+            weights.append([p.detach().clone() for p in worker.model.parameters()])
+        finally:
+            worker.shutdown()
+    for padded, shared in zip(*metrics, strict=True):
+        for key in ("loss", "grad_norm", "entropy"):
+            assert shared[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(*weights, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def _two_ranks(rank: int, model: str, port: int, out: str, shared: bool) -> None:
+    """One of two FSDP2 ranks: two training steps; rank 0 saves the whole weights."""
+    from trident.weights.tensors import full_tensor
+
+    torch.set_num_threads(1)
+    overrides = [f"model.path={model}", f"trainer.share_prompts={str(shared).lower()}"]
+    worker = PolicyWorker(load_config([], [*BASE, *overrides]), rank, 2, "127.0.0.1", port)
+    samples = make_samples(worker.tokenizer, prompts=2, n=4)  # rank r: samples r, r + 2, ...
+    samples[5].loss_mask = [0] * len(samples[5].token_ids)  # rank 1: one prompt shared, not two
+    worker.train_step(samples)  # both ranks share
+    samples[3].loss_mask = [0] * len(samples[3].token_ids)  # rank 1: no prompt shared
+    worker.train_step(samples)  # so neither does
+    whole = {n: full_tensor(t) for n, t in worker.model.state_dict().items()}  # collective
+    worker.shutdown()
+    if rank == 0:
+        torch.save(whole, out)
+
+
+def test_two_fsdp_ranks_share_prompts_together(tiny_model, tmp_path):
+    """Each forward pass is a collective on every rank: the ranks share prompts together or
+    not at all (a step where only one of them could), and two steps on two ranks give the padded
+    pass's weights."""
+    from torch.multiprocessing.spawn import start_processes
+
+    weights = []
+    for shared in (False, True):
+        out = tmp_path / f"shared-{shared}.pt"
+        args = (tiny_model, free_port(), str(out), shared)
+        start_processes(_two_ranks, args=args, nprocs=2, start_method="spawn")
+        weights.append(torch.load(out))
+    # AdamW divides by the gradient's own scale: where it is ~0, float noise moves an element by
+    # a few % of one step (lr 1e-4), so 1e-5 (a tenth of a step)
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-5, msg=name)

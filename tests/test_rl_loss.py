@@ -325,7 +325,7 @@ def test_skipping_zero_advantage_rows_changes_no_weight(tiny_model, old_logprobs
         overrides = [
             f"model.path={tiny_model}", f"trainer.skip_zero_advantage={str(skip).lower()}",
             f"algo.old_logprobs={old_logprobs}", f"trainer.mini_batches={mini_batches}",
-            "trainer.weight_decay=0.1",
+            "trainer.weight_decay=0.1", "trainer.share_prompts=false",  # one pass per row counted
         ]  # fmt: skip
         worker = PolicyWorker(load_config([], [*BASE, *overrides]), 0, 1, "127.0.0.1", free_port())
         rows: list[int] = []

@@ -342,6 +342,10 @@ class TrainerConfig(Section):
         default=True,
         description="Skip the forward and backward passes of samples whose every loss token has advantage 0 (a GRPO group whose rewards are all equal): the policy losses are advantage-weighted, so such a sample adds nothing to the gradient, while the loss's normalisers still count it. Only where the loss has no other term (no entropy bonus, no reference-KL term, no critic). Token means such as entropy then cover the samples trained.",
     )
+    share_prompts: bool = Field(
+        default=True,
+        description="Run a prompt once for the samples of a micro-batch that share it (a GRPO group's), their responses against its keys and values (Prefix Grouper): the same function of the weights, without n copies of the prompt's compute. The policy's training passes, when its logits are a plain head (trainer.logprob_chunk_tokens > 0) and trainer.packing is off.",
+    )
     packing: bool = Field(
         default=False,
         description="Pack each micro-batch's samples into one row with no padding (positions restart per sample; attention stays within a sample), and fill micro_batch_tokens with real tokens instead of rows x longest row. The critic runs padded.",
@@ -394,9 +398,7 @@ class PipelineConfig(Section):
     dynamic_sampling_max_dropped: int = Field(
         default=0,
         ge=0,
-        description="algo.dynamic_sampling: groups without signal dropped (and replaced by fresh prompts) in a row "
-        "at most; past that they are trained on until a group with signal comes back, so a saturated policy "
-        "cannot stall the run. 0 = 2 * prompts_per_step.",
+        description="algo.dynamic_sampling: groups without signal dropped (and replaced by fresh prompts) in a row at most; past that they are trained on until a group with signal comes back, so a saturated policy cannot stall the run. 0 = 2 * prompts_per_step.",
     )
 
 
@@ -555,10 +557,7 @@ class ClusterConfig(Section):
     num_cpus: int = Field(default=0, ge=0, description="CPUs for a local Ray instance (0 = all).")
     placement: Literal["auto", "colocated", "disaggregated"] = Field(
         default="auto",
-        description="Where trainer ranks and rollout servers run on GPUs: `colocated` (rank i and "
-        "server i share device i; the server keeps to rollout.gpu_memory_utilization), "
-        "`disaggregated` (a device per actor), `auto` (disaggregated when every actor gets a "
-        "device, else colocated: a one-GPU box colocates). `trident train --dry-run` prints the plan.",
+        description="Where trainer ranks and rollout servers run on GPUs: `colocated` (rank i and server i share device i; the server keeps to rollout.gpu_memory_utilization), `disaggregated` (a device per actor), `auto` (disaggregated when every actor gets a device, else colocated: a one-GPU box colocates). `trident train --dry-run` prints the plan.",
     )
     role_resources: dict[Literal["trainer", "rollout"], dict[str, float]] = Field(
         default_factory=dict,

@@ -266,7 +266,8 @@ class PolicyWorker:
             mb = select_rows(batch, idx)
             logp, entropy = token_logprobs(
                 self.model, mb, temperature, with_entropy=True,
-                chunk_tokens=tc.logprob_chunk_tokens, packed=packed,
+                chunk_tokens=tc.logprob_chunk_tokens, packed=packed, shared=tc.share_prompts,
+                world=self.world,
             )  # fmt: skip
             assert entropy is not None  # asked for with_entropy
             mask, w = mb.mask * (0.0 if dummy else 1.0), mb.mask.shape[1]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,8 @@ def token_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int = 0,
     packed: bool = False,
+    shared: bool = False,
+    world: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs [B, T-1] of ``batch.input_ids[:, 1:]`` (and entropies if asked).
     ``chunk_tokens`` > 0: the vocabulary projection ``chunk_tokens`` positions at a time, forward
@@ -45,8 +48,16 @@ def token_logprobs(
     the last hidden state; 0 (or another head): the whole [B, T, V] grid at once. ``packed``
     (``trainer.packing``): the model runs on the rows packed into fewer (:func:`pack`), so
     little padding is computed; the outputs come back in the padded layout (0 where no token
-    is)."""
+    is). ``shared`` (``trainer.share_prompts``): rows with the same prompt run it once
+    (:func:`_shared_prompt_logprobs`), only the predictions of loss tokens' spans computed; with
+    ``world`` FSDP ranks, all of them or none (collective)."""
     head = output_head(model) if chunk_tokens > 0 else None
+    if shared and head is not None and not packed:
+        out = _shared_prompt_logprobs(
+            model, head, batch, temperature, with_entropy, chunk_tokens, world
+        )
+        if out is not None:
+            return out
     if packed:
         input_ids, position_ids, where, at = pack(batch)
         inputs = {"input_ids": input_ids, "position_ids": position_ids}
@@ -70,6 +81,97 @@ def token_logprobs(
     return _unpack(logp, where), None if entropy is None else _unpack(entropy, where)
 
 
+def _shared_prompt_logprobs(
+    model: torch.nn.Module,
+    head: torch.nn.Linear,
+    batch: Batch,
+    temperature: float,
+    with_entropy: bool,
+    chunk_tokens: int,
+    world: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """:func:`token_logprobs` with each prompt run once for the rows that share it (a GRPO
+    group's samples), as Prefix Grouper (Liu et al. 2025) does: one forward pass over the
+    distinct prompts keeps their keys and values, each row's rest runs against its prompt's
+    (selected per row, so the backward pass sums the rows' gradients into the prompt's), and
+    the first loss token is predicted from the prompt's last position. The same function of
+    the weights as the padded pass; with n rows a prompt of P tokens costs P instead of n P.
+
+    A row's prompt is its tokens up to the one that predicts its first loss token; only
+    predictions from there on are computed (0 elsewhere, where the mask is 0). None (nothing
+    computed) when no two rows share a prompt (on any of the ``world`` ranks: each forward pass
+    is a collective, so all ranks run two or all run the padded one) or the model recomputes
+    its layers in the backward pass (activation checkpointing keeps no cache); a model whose
+    cache layers are not per-position keys and values (recurrent layers) runs the padded pass
+    after the prompts'."""
+    from transformers import DynamicCache
+
+    if getattr(model, "is_gradient_checkpointing", False) and torch.is_grad_enabled():
+        return None
+    ids, lengths = batch.input_ids, batch.attention_mask.sum(1).tolist()
+    has_loss = (batch.mask > 0).any(1).tolist()
+    starts = (batch.mask > 0).int().argmax(1).tolist()  # first predicted column with a loss token
+    rows = [i for i in range(len(ids)) if has_loss[i]]
+    prompts: dict[tuple[int, ...], int] = {}
+    group = [
+        prompts.setdefault(tuple(ids[i, : starts[i] + 1].tolist()), len(prompts)) for i in rows
+    ]
+    share = torch.tensor([float(len(prompts) < len(rows))], device=ids.device)
+    if world > 1:
+        dist.all_reduce(share, op=dist.ReduceOp.MIN)
+    if not share.item():
+        return None
+    width = max(len(p) for p in prompts)
+    prompt_ids = torch.full((len(prompts), width), int(ids[0, -1]), dtype=ids.dtype)
+    prompt_mask = torch.zeros((len(prompts), width), dtype=batch.attention_mask.dtype)
+    for p, g in prompts.items():  # right-padded: no query without a key to attend to
+        prompt_ids[g, : len(p)], prompt_mask[g, : len(p)] = torch.tensor(p), 1
+    device = ids.device
+    cache = DynamicCache(config=getattr(model, "config", None))
+    first = _last_hidden_state(
+        model, {"input_ids": prompt_ids.to(device), "attention_mask": prompt_mask.to(device)},
+        past_key_values=cache,
+    )  # fmt: skip
+    if any(type(layer).__name__ not in _ATTENTION_CACHES for layer in cache.layers) or any(
+        cache.get_seq_length(i) != width for i in range(len(cache.layers))
+    ):
+        return None  # recurrent state, or a layer that kept no keys: no prefix to share
+    index = torch.tensor(group, device=device)
+    last = torch.tensor([len(p) - 1 for p in prompts], device=device)
+    hidden = [first[torch.arange(len(prompts), device=device), last][index]]  # [rows, H]
+    spans = [lengths[i] - 2 - starts[i] for i in rows]  # inputs after the prompt, last one off
+    rest = max(*spans, 1 if world > 1 else 0)  # every rank runs the second pass, if any does
+    if rest > 0:
+        cache.batch_select_indices(index)
+        rest_ids = torch.full((len(rows), rest), int(ids[0, -1]), dtype=ids.dtype, device=device)
+        rest_mask = torch.zeros((len(rows), rest), dtype=prompt_mask.dtype, device=device)
+        for j, (i, n) in enumerate(zip(rows, spans, strict=True)):
+            rest_ids[j, :n] = ids[i, starts[i] + 1 : starts[i] + 1 + n]
+            rest_mask[j, :n] = 1
+        positions = torch.tensor([starts[i] + 1 for i in rows], device=device)[:, None]
+        inputs = {
+            "input_ids": rest_ids,
+            "attention_mask": torch.cat([prompt_mask.to(device)[index], rest_mask], 1),
+            "position_ids": positions + torch.arange(rest, device=device),
+        }
+        hidden.append(_last_hidden_state(model, inputs, past_key_values=cache).flatten(0, 1))
+    where = torch.zeros_like(batch.mask, dtype=torch.bool)
+    at: list[int] = []
+    for j, (i, n) in enumerate(zip(rows, spans, strict=True)):
+        where[i, starts[i] : starts[i] + 1 + n] = True
+        at += [j, *range(len(rows) + j * rest, len(rows) + j * rest + n)]
+    logp, entropy = chunked_logprobs(
+        torch.cat(hidden)[torch.tensor(at, device=device)], head.weight, head.bias,
+        ids[:, 1:][where], temperature=temperature, chunk_tokens=chunk_tokens,
+        with_entropy=with_entropy,
+    )  # fmt: skip
+    return _unpack(logp, where), None if entropy is None else _unpack(entropy, where)
+
+
+# cache layers of per-position keys and values (full or sliding-window attention)
+_ATTENTION_CACHES = ("DynamicLayer", "DynamicSlidingWindowLayer")
+
+
 def _unpack(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     """Packed per-token ``values`` back into the padded [B, T-1] layout (differentiable)."""
     out = values.new_zeros(where.shape)
@@ -77,7 +179,9 @@ def _unpack(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _last_hidden_state(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def _last_hidden_state(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], past_key_values: Any = None
+) -> torch.Tensor:
     """The decoder's output [B, T, H] (after its final norm) as an output of the whole model's
     forward: under FSDP2 the root's pre-forward gathers the head too and keeps it unsharded until
     the backward pass, and the root's backward hooks (gradient reduction, reshard) sit on its
@@ -86,7 +190,10 @@ def _last_hidden_state(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) 
     with warnings.catch_warnings():
         # FSDP2 warns that the hidden states are views: nothing writes to them in place
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
-        out = model(**inputs, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+        out = model(
+            **inputs, output_hidden_states=True, logits_to_keep=1,
+            past_key_values=past_key_values, use_cache=past_key_values is not None,
+        )  # fmt: skip
     return out.hidden_states[-1]
 
 
