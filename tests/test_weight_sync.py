@@ -36,7 +36,11 @@ from trident.weights.sync import (
     make_probe,
     probe_logprobs,
 )
-from trident.weights.vllm_plugin import checksum, inspect_models_in_process
+from trident.weights.vllm_plugin import (
+    checksum,
+    inspect_models_in_process,
+    pause_without_settling,
+)
 
 # float32 on both sides; measured here: ~1e-6 before and after a sync.
 TOLERANCE = 1e-4
@@ -131,6 +135,46 @@ def test_inspect_models_in_process_starts_no_interpreter(
     assert info.is_text_generation_model
     cached = json.loads(next((tmp_path / "modelinfos").glob("*Qwen2ForCausalLM.json")).read_text())
     assert cached["modelinfo"]["is_text_generation_model"]
+
+
+def test_pause_without_settling_asks_what_vllm_asks_without_the_sleep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The installed vLLM's ``pause_generation`` is the one ``pause_without_settling`` knows;
+    patched, it makes the original's calls of the engine client and the renderer, in order,
+    and no ``asyncio.sleep`` (a recorder stands in for both; real servers pause in every sync
+    test below)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    calls: list[tuple] = []
+
+    class Recorder:
+        async def pause_scheduler_async(self, mode: str, clear_cache: bool) -> None:
+            calls.append(("pause", mode, clear_cache))
+
+        async def clear_mm_cache_async(self) -> None:
+            calls.append(("clear",))
+
+    async def sleep(seconds: float, *args: Any) -> None:
+        calls.append(("sleep", seconds))
+
+    client = SimpleNamespace(engine_core=Recorder(), renderer=Recorder())
+
+    def pauses() -> list[tuple]:
+        calls.clear()
+        asyncio.run(AsyncLLM.pause_generation(client, mode="keep", clear_cache=False))
+        asyncio.run(AsyncLLM.pause_generation(client))
+        return list(calls)
+
+    monkeypatch.setattr(AsyncLLM, "pause_generation", AsyncLLM.pause_generation)  # undone after
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    original = pauses()
+    assert ("sleep", 0.02) in original
+    assert pause_without_settling()
+    assert pauses() == [c for c in original if c[0] != "sleep"]
 
 
 def test_make_probe_is_fixed_and_avoids_special_tokens(checkpoint: str) -> None:

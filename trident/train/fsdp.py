@@ -194,7 +194,7 @@ def save_training_state(
         state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(
             model, opt, options=_trained_only(model)
         )
-    save(state, checkpoint_id=str(out))
+    save(state, checkpoint_id=str(out), no_dist=dist.get_world_size() == 1)
     torch.save(extra, out / f"extra_rank{dist.get_rank()}.pt")
     dist.barrier()
 
