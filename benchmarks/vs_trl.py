@@ -15,16 +15,21 @@ advantages. Three recipes:
 - ``long``: generation dominates. The demo's warm-up is fine-tuned further to write a scratch
   line of random digits before its answer, of log-normal length (median 40 tokens, capped at
   240), so responses have RL's long tail; up to 256 new tokens, 12 steps, timing only. Its
-  answers after the scratch line are almost never right, so the reward is the format's alone
-  and there is nothing to learn: at the demo's rate each side's lengths drifted at random
-  (TRL's from 58 to 10 tokens in one run, from 41 to 38 in the next), and the drift, not the
-  long tail, decided the ratio. It trains at lr 1e-6, on both sides, so the warm-up's lengths
-  hold through the 12 steps (the compute is the same at any rate).
+  answers after the scratch line are almost never right, so there is nothing to learn: at the
+  demo's rate each side's lengths drifted at random (TRL's from 58 to 10 tokens in one run,
+  from 41 to 38 in the next), and the drift, not the long tail, decided the ratio. It trains
+  at lr 1e-6, on both sides, so the warm-up's lengths hold through the 12 steps (the compute
+  is the same at any rate).
 - ``compute``: the RL compute is real. The ``small`` preset (~25 M parameters) as initialised,
   whose responses all run to their 32-token cap, 16 prompts × 8 samples a step, 12 steps,
   timing only. In bfloat16 on both sides where the host multiplies it in hardware (a GPU, or a
   CPU with AMX), as users of such a host train: float32 weights and optimizer, bfloat16
   compute (trident ``model.dtype=bfloat16``, TRL ``bf16=True``); float32 elsewhere.
+
+  Both timing recipes add a third reward, ``digit_share`` (the share of a response's characters
+  that are digits), to the demo's: with the task's and the format's alone every group's rewards
+  are equal, every advantage is 0, and trident skips those samples' passes where TRL computes
+  zero gradients, so the recipes would time no training at all.
 
 TRL gets the prompts already rendered by trident's chat template (so the tokens are the same)
 and trident's own reward functions; on a CPU box it generates with HF ``generate`` (TRL's vLLM
@@ -113,20 +118,39 @@ TRIDENT_GPU = [
 # (trident's default; the demo config turns them on so that its accuracy reproduces, and the demo
 # recipe keeps them: its held-out accuracy is compared).
 NOT_DETERMINISTIC = ["run.deterministic=false"]
+# The timing recipes' answers are never right (long) or not words (compute): with the demo's
+# rewards every group's are equal, every advantage 0, and trident skips those samples' passes
+# (trainer.skip_zero_advantage) where TRL computes zero gradients. A reward that tells every
+# group's samples apart (digit_share) makes both sides train on real gradients.
+DIGITS = "benchmarks.vs_trl:digit_share"
+SIGNAL = [
+    f"reward.fns=[{{name: task, weight: 1.0}}, {{name: format, weight: 0.5}}, {{name: '{DIGITS}', weight: 1.0}}]"
+]
 RECIPES: dict[str, dict[str, Any]] = {
     "demo": {"steps": 30, "overrides": [], "evaluate": True},
     "long": {
         "steps": 12,
-        "overrides": ["rollout.max_tokens=256", "trainer.lr=1e-6", *NOT_DETERMINISTIC],
+        "overrides": ["rollout.max_tokens=256", "trainer.lr=1e-6", *NOT_DETERMINISTIC, *SIGNAL],
         "evaluate": False,
     },
     "compute": {
         "steps": 12,
-        "overrides": ["rollout.max_tokens=32", "pipeline.prompts_per_step=16", *NOT_DETERMINISTIC],
+        "overrides": [
+            "rollout.max_tokens=32",
+            "pipeline.prompts_per_step=16",
+            *NOT_DETERMINISTIC,
+            *SIGNAL,
+        ],
         "evaluate": False,
         "bf16_where_native": True,
     },
 }
+
+
+def digit_share(response: str, **_: Any) -> float:
+    """The share of the response's characters that are digits (the timing recipes' third
+    reward): it differs between any two samples of a scratch line or of random text."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
 def native_bf16() -> bool:
@@ -442,6 +466,11 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path, launch: float) -> 
     def fmt(completions: list[str], **_: Any) -> list[float]:
         return [format_reward(c) for c in completions]
 
+    def digits(completions: list[str], **_: Any) -> list[float]:
+        return [digit_share(c) for c in completions]
+
+    funcs = {"task": task, "format": fmt, DIGITS: digits}
+
     per_rl_step = r["prompts_per_step"] * r["n"]
     if GPU:  # TRL's vLLM colocate mode runs its engine in this process's torch.distributed group
         for key, value in {
@@ -471,7 +500,7 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path, launch: float) -> 
         max_completion_length=r["max_tokens"], temperature=r["temperature"], top_p=1.0,
         learning_rate=r["lr"], lr_scheduler_type="constant", weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.999, max_grad_norm=1.0, beta=0.0, epsilon=r["clip_eps"],
-        loss_type="dapo", scale_rewards="group", reward_weights=[weights["task"], weights["format"]],
+        loss_type="dapo", scale_rewards="group", reward_weights=list(weights.values()),
         dataloader_num_workers=0, gradient_checkpointing=False, **device,
     )  # fmt: skip
     timing: dict[str, Any] = {"step_ends": [], "generate_s": [], "lengths": [], "lrs": []}
@@ -512,7 +541,7 @@ def trl_worker(model: str, work: Path, spec: Path, out: Path, launch: float) -> 
                 timing["lengths"].append(float(logs["completions/mean_length"]))
 
     trainer = Timed(
-        model=model, reward_funcs=[task, fmt], args=config, train_dataset=dataset,
+        model=model, reward_funcs=[funcs[name] for name in weights], args=config, train_dataset=dataset,
         processing_class=load_tokenizer(model), callbacks=[Clock()],
     )  # fmt: skip
     trainer.train()
