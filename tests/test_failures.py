@@ -1,6 +1,6 @@
 """Failure handling of the RL loop: a server that cannot start, an exception mid-run, Ctrl-C, a
 SIGTERM. After each, no vLLM, Ray or trainer process of the run may be left. And a connection to
-a server that drops without an answer."""
+a server that drops without an answer, and a rendezvous port taken before a single rank binds it."""
 
 import asyncio
 import contextlib
@@ -455,3 +455,27 @@ def test_a_dead_trainer_rank_restarts_the_run_then_stops_it_naming_it(tiny_model
     first = min((run_dir / "attempts").iterdir())
     assert json.loads((first / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
     assert wait_gone(tag, timeout=180) == set()
+
+
+def test_a_single_rank_starts_when_its_rendezvous_port_was_taken():
+    """Between picking a free port and binding it, another process may take it (seen: the
+    trainer rank's ``EADDRINUSE`` while rollout servers restarted). A single rank binds none.
+    In a fresh interpreter: a process group, once made, is kept for the process."""
+    script = """
+import socket
+import torch
+import torch.distributed as dist
+from trident.train.fsdp import init_distributed
+taken = socket.socket()
+taken.bind(("127.0.0.1", 0))
+taken.listen()
+init_distributed(0, 1, "127.0.0.1", taken.getsockname()[1])
+t = torch.ones(2)
+dist.all_reduce(t)
+print(dist.get_world_size(), t.tolist())
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "1 [1.0, 1.0]"

@@ -43,17 +43,26 @@ def set_cpu_threads(n: int, sharing: int = 1) -> None:
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """Join the ranks' process group at ``master_addr:master_port`` (rank 0 hosts its store).
+    A single rank has no one to meet: its store is in memory, so no port is bound, none that
+    another process could have taken since it was picked (seen: EADDRINUSE while servers
+    restarted)."""
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
+    timeout = datetime.timedelta(minutes=10)
+    if world_size == 1:
+        store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]  (documented API)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return
     dist.init_process_group(
         backend,
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(minutes=10),
+        timeout=timeout,
     )
 
 
