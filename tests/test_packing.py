@@ -58,21 +58,27 @@ def test_packed_equals_padded_values_and_gradients(tiny_model, chunk_tokens):
         s.versions = s.versions[: len(s.token_ids)]
     batch = collate(samples, tokenizer.pad_token_id)
     assert (batch.attention_mask == 0).any()
-    results = []
-    for packed in (False, True):
-        model.zero_grad()
-        logp, entropy = token_logprobs(
-            model, batch, 0.7, with_entropy=True, chunk_tokens=chunk_tokens, packed=packed
-        )
-        assert entropy is not None
-        loss = ((logp * 0.3 + entropy * 0.1) * batch.mask).sum()
-        loss.backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-        results.append((logp * batch.mask, entropy * batch.mask, grads))
-    (logp_a, ent_a, grads_a), (logp_b, ent_b, grads_b) = results
-    torch.testing.assert_close(logp_b, logp_a, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent_b, ent_a, rtol=1e-5, atol=1e-5)
-    for a, b in zip(grads_a, grads_b, strict=True):
+    padded = _values_and_gradients(model, batch, chunk_tokens=chunk_tokens)
+    _assert_same(
+        _values_and_gradients(model, batch, chunk_tokens=chunk_tokens, packed=True), padded
+    )
+
+
+def _values_and_gradients(model, batch, **kw) -> tuple:
+    """``token_logprobs``' logprobs and entropies at the loss tokens, and the gradients of a
+    loss of both."""
+    model.zero_grad()
+    logp, entropy = token_logprobs(model, batch, 0.7, with_entropy=True, **kw)
+    assert entropy is not None
+    ((logp * 0.3 + entropy * 0.1) * batch.mask).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return logp * batch.mask, entropy * batch.mask, grads
+
+
+def _assert_same(got: tuple, expected: tuple) -> None:
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)
+    for b, a in zip(got[2], expected[2], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
@@ -117,23 +123,9 @@ def test_shared_prompts_equal_padded_values_and_gradients(tiny_model):
     model.register_forward_pre_hook(
         lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True
     )
-    results = []
-    for shared in (False, True):
-        model.zero_grad()
-        logp, entropy = token_logprobs(
-            model, batch, 0.7, with_entropy=True, chunk_tokens=7, shared=shared
-        )
-        assert entropy is not None
-        loss = ((logp * 0.3 + entropy * 0.1) * batch.mask).sum()
-        loss.backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-        results.append((logp * batch.mask, entropy * batch.mask, grads))
+    padded = _values_and_gradients(model, batch, chunk_tokens=7)
+    _assert_same(_values_and_gradients(model, batch, chunk_tokens=7, shared=True), padded)
     assert rows == [9, 3, 8]  # padded: every row; shared: the prompts, then the rows' rest
-    (logp_a, ent_a, grads_a), (logp_b, ent_b, grads_b) = results
-    torch.testing.assert_close(logp_b, logp_a, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent_b, ent_a, rtol=1e-5, atol=1e-5)
-    for a, b in zip(grads_a, grads_b, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
 def test_a_training_step_with_shared_prompts_equals_a_padded_one(tiny_model):
