@@ -90,20 +90,14 @@ def _shared_prompt_logprobs(
     chunk_tokens: int,
     world: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """:func:`token_logprobs` with each prompt run once for the rows that share it (a GRPO
-    group's samples), as Prefix Grouper (Liu et al. 2025) does: one forward pass over the
-    distinct prompts keeps their keys and values, each row's rest runs against its prompt's
-    (selected per row, so the backward pass sums the rows' gradients into the prompt's), and
-    the first loss token is predicted from the prompt's last position. The same function of
-    the weights as the padded pass; with n rows a prompt of P tokens costs P instead of n P.
-
-    A row's prompt is its tokens up to the one that predicts its first loss token; only
-    predictions from there on are computed (0 elsewhere, where the mask is 0). None (nothing
-    computed) when no two rows share a prompt (on any of the ``world`` ranks: each forward pass
-    is a collective, so all ranks run two or all run the padded one) or the model recomputes
-    its layers in the backward pass (activation checkpointing keeps no cache); a model whose
-    cache layers are not per-position keys and values (recurrent layers) runs the padded pass
-    after the prompts'."""
+    """:func:`token_logprobs` with each prompt run once for its rows (Prefix Grouper, Liu et
+    al. 2025): one pass over the distinct prompts keeps their keys and values, selected per row
+    for the rows' rest (the backward pass sums the rows' gradients into the prompt's); the first
+    loss token is predicted from the prompt's last position. A row's prompt: its tokens up to
+    the one predicting its first loss token; only predictions from there on are computed (0
+    elsewhere). None when no two rows share a prompt on some rank (forward passes are
+    collectives) or under activation checkpointing (no cache kept); recurrent cache layers give
+    way to the padded pass after the prompts'."""
     from transformers import DynamicCache
 
     if getattr(model, "is_gradient_checkpointing", False) and torch.is_grad_enabled():
