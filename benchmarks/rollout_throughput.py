@@ -1,20 +1,28 @@
 """Rollout throughput: trident's vLLM rollout against HF ``generate`` (what TRL uses without
-vLLM), same model, same prompts, same sampling settings, on two shapes in one run.
+vLLM), same model, same prompts, same sampling settings, on three shapes in one run.
 
-    python benchmarks/rollout_throughput.py [--long-model DIR] [--prompts 16] [--n 8]
+    python benchmarks/rollout_throughput.py [--long-model DIR] [--repeats 3]
 
-- ``fixed``: the ``small`` preset (~25 M parameters) as initialised, whose responses all run to
-  their 32-token cap: the kernels' shape;
-- ``long-tailed``: the ``long`` recipe's warm-up of ``benchmarks/vs_trl.py`` (a scratch line of
-  log-normal length before the answer, up to 256 new tokens; ``--long-model``, default
-  ``runs/bench-vs-trl/long-sft/model``, built by ``vs_trl.py --recipe long``; the shape is
-  skipped without it): HF ``generate`` pays each batch's longest response, vLLM's continuous
-  batching does not.
+Each shape is one RL step's rollout of a ``benchmarks/vs_trl.py`` recipe (its prompts per step
+× 8 samples, its token cap), generated ``--repeats`` times after a warm-up pass of the same size:
 
-Each side generates the same prompts once after a warm-up; trident's servers start as a run's
-do (``rollout.cpu_threads`` auto: in ``sync`` mode every core while the trainer waits). Writes
-``benchmarks/results/rollout_throughput.{json,md}``. Tokens/s counts generated tokens only; the
-vLLM side includes HTTP and the router, i.e. what the RL loop pays.
+- ``fixed``: the compute recipe: the ``small`` preset (~25 M parameters) as initialised, 16
+  prompts, every response at its 32-token cap: the kernels' shape;
+- ``long-tailed``: the long recipe: its warm-up (a scratch line of log-normal length before the
+  answer; ``--long-model``, default ``runs/bench-vs-trl/long-sft/model``, built by ``vs_trl.py
+  --recipe long``; both long-tailed shapes are skipped without it), 32 prompts, up to 256 new
+  tokens. The step holds more samples than vLLM-CPU runs at once (128), so continuous batching
+  refills a finished sample's slot, where HF ``generate`` runs each batch to its longest response;
+- ``long-tailed, one batch``: the same model on 16 prompts (128 samples: one HF batch, the
+  engine's slots): every sample starts at once, both sides run as many steps as the longest
+  response, and the ratio is the two sides' costs of one decoding step.
+
+HF ``generate`` takes 16 prompts (128 sequences) a call; the long recipe's whole step in one call
+(TRL's generation batch) measured no faster (3.0-3.4k against 3.2-3.8k tokens/s on 2 cores).
+trident's servers start as a run's do (``rollout.cpu_threads`` auto: in ``sync`` mode every core
+while the trainer waits). Tokens/s counts generated tokens only, summed over the repeats, over
+their summed time; the vLLM side includes HTTP and the router, i.e. what the RL loop pays. Writes
+``benchmarks/results/rollout_throughput.{json,md}``.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import provenance
+from vs_trl import recipe
 
 from trident.config import load_config
 from trident.data.loaders import load_split
@@ -36,6 +46,7 @@ from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, pro
 from trident.rollout.engine import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
+HF_BATCH = 16  # prompts per HF generate call
 
 
 def hf_generate(
@@ -77,72 +88,103 @@ async def vllm_generate(
     return sum(len(c.token_ids) for group in results for c in group), elapsed
 
 
-def measure(model: str, work: Path, prompts: int, n: int, max_tokens: int) -> list[dict]:
-    """Both sides on ``model``: the fleet a run would start, then HF ``generate`` in batches of
-    16 prompts (``n`` samples each)."""
+def repeated(generate, repeats: int) -> dict:
+    """``generate()`` once to warm up, then ``repeats`` times: the tokens and seconds of each."""
+    generate()
+    runs = [generate() for _ in range(repeats)]
+    tokens, seconds = sum(t for t, _ in runs), sum(s for _, s in runs)
+    return {
+        "tokens": [t for t, _ in runs], "seconds": [round(s, 3) for _, s in runs],
+        "tokens_per_s": tokens / seconds,
+    }  # fmt: skip
+
+
+def measure(
+    model: str, work: Path, prompt_counts: list[int], n: int, max_tokens: int, repeats: int
+) -> dict[int, list[dict]]:
+    """Both sides on ``model``, for each number of prompts: the fleet a run would start, then HF
+    ``generate`` in batches of ``HF_BATCH`` prompts (``n`` samples each)."""
     from trident.rollout.fleet import RolloutFleet
 
+    most = max(prompt_counts)
     cfg = load_config(
-        [],
-        [f"model.path={model}", f"run.dir={work}", "run.name=bench", f"data.num_test={prompts}"],
+        [], [f"model.path={model}", f"run.dir={work}", "run.name=bench", f"data.num_test={most}"]
     )
     tok = load_tokenizer(model)
     ids = [encode_chat(tok, prompt_messages(r["prompt"])) for r in load_split(cfg.data, "test")]
-    ids = ids[:prompts]
+    vllm, hf = {}, {}
     with RolloutFleet(cfg, model, work) as fleet:
-        asyncio.run(vllm_generate(fleet.router, ids[:4], 1, 4))  # warm-up
-        v_tokens, v_time = asyncio.run(vllm_generate(fleet.router, ids, n, max_tokens))
-    hf_generate(model, ids[:2], 1, 4, 2)  # warm-up
-    h_tokens, h_time = hf_generate(model, ids, n, max_tokens, 16)
-    return [
-        {"engine": "trident rollout (vLLM server, HTTP)", "tokens": v_tokens, "seconds": v_time},
-        {"engine": "HF generate (batched)", "tokens": h_tokens, "seconds": h_time},
-    ]
+        for k in prompt_counts:
+            vllm[k] = repeated(
+                lambda k=k: asyncio.run(vllm_generate(fleet.router, ids[:k], n, max_tokens)),
+                repeats,
+            )
+    for k in prompt_counts:
+        hf[k] = repeated(lambda k=k: hf_generate(model, ids[:k], n, max_tokens, HF_BATCH), repeats)
+    return {
+        k: [
+            {"engine": "trident rollout (vLLM server, HTTP)", **vllm[k]},
+            {"engine": f"HF generate ({HF_BATCH} prompts a call)", **hf[k]},
+        ]
+        for k in prompt_counts
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--long-model", default="runs/bench-vs-trl/long-sft/model")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
     from trident.cluster.ray_cluster import init_ray
 
     work = Path(tempfile.mkdtemp(prefix="trident-bench-"))
-    shapes = {"fixed": ("small", str(init_model(work / "small", "small")), 32)}
+    compute, long = recipe("compute"), recipe("long")
+    n = compute["n"]
+    # model label, path, token cap -> {shape: prompts}
+    groups = [
+        ("small", str(init_model(work / "small", "small")), compute["max_tokens"],
+         {"fixed": compute["prompts_per_step"]}),
+    ]  # fmt: skip
     if (Path(args.long_model) / "config.json").exists():
-        shapes["long-tailed"] = ("long-sft", args.long_model, 256)
+        groups.append(
+            ("long-sft", args.long_model, long["max_tokens"],
+             {"long-tailed": long["prompts_per_step"], "long-tailed, one batch": HF_BATCH})
+        )  # fmt: skip
     init_ray(load_config([], []).cluster)
     result: dict = {
         "benchmark": "rollout_throughput",
-        "prompts": args.prompts,
-        "n": args.n,
+        "n": n,
+        "repeats": args.repeats,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
         f"cuda={torch.cuda.is_available()}",
+        **provenance(),
         "shapes": [],
     }
     md = [
-        f"Rollout throughput: {args.prompts} prompts x {args.n} samples at temperature 1.0 "
-        f"({result['machine']}).",
+        f"Rollout throughput: one RL step's rollout (prompts x {n} samples at temperature 1.0), "
+        f"{args.repeats} times after a warm-up ({result['machine']}, commit {result['commit']}, "
+        f"{result['date']}).",
         "",
-        "| shape | model | max new tokens | engine | generated tokens | seconds | tokens/s |",
-        "|---|---|---:|---|---:|---:|---:|",
+        "| shape | model | prompts | max new tokens | engine | generated tokens | seconds | "
+        "tokens/s |",
+        "|---|---|---:|---:|---|---:|---:|---:|",
     ]
-    for shape, (label, model, max_tokens) in shapes.items():
-        rows = measure(model, work / shape, args.prompts, args.n, max_tokens)
-        for r in rows:
-            r["tokens_per_s"] = r["tokens"] / r["seconds"]
-            md.append(
-                f"| {shape} | {label} | "
-                f"{max_tokens} | {r['engine']} | {r['tokens']} | {r['seconds']:.2f} | "
-                f"{r['tokens_per_s']:.0f} |"
-            )
-        ratio = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
-        result["shapes"].append(
-            {"shape": shape, "model": model, "max_tokens": max_tokens, "rows": rows,
-             "speedup_vs_hf_generate": ratio}
-        )  # fmt: skip
+    for label, model, max_tokens, shapes in groups:
+        by_count = measure(model, work / label, sorted(set(shapes.values())), n, max_tokens,
+                           args.repeats)  # fmt: skip
+        for shape, prompts in shapes.items():
+            rows = by_count[prompts]
+            for r in rows:
+                md.append(
+                    f"| {shape} | {label} | {prompts} | {max_tokens} | {r['engine']} | "
+                    f"{sum(r['tokens'])} | {sum(r['seconds']):.2f} | {r['tokens_per_s']:.0f} |"
+                )
+            ratio = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+            result["shapes"].append(
+                {"shape": shape, "model": model, "prompts": prompts, "max_tokens": max_tokens,
+                 "rows": rows, "speedup_vs_hf_generate": ratio}
+            )  # fmt: skip
     md.append("")
     md += [
         f"**{s['shape']}: trident / HF generate {s['speedup_vs_hf_generate']:.2f}x**"
