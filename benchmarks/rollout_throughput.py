@@ -1,10 +1,11 @@
 """Rollout throughput: trident's vLLM rollout against HF ``generate`` (what TRL uses without
 vLLM), same model, same prompts, same sampling settings, on three shapes in one run.
 
-    python benchmarks/rollout_throughput.py [--long-model DIR] [--repeats 3]
+    python benchmarks/rollout_throughput.py [--long-model DIR] [--repeats 5]
 
 Each shape is one RL step's rollout of a ``benchmarks/vs_trl.py`` recipe (its prompts per step
-× 8 samples, its token cap), generated ``--repeats`` times after a warm-up pass of the same size:
+× 8 samples, its token cap), generated ``--repeats`` times by each side in turn, after a warm-up
+pass of the same size:
 
 - ``fixed``: the compute recipe: the ``small`` preset (~25 M parameters) as initialised, 16
   prompts, every response at its 32-token cap: the kernels' shape;
@@ -21,7 +22,8 @@ HF ``generate`` takes 16 prompts (128 sequences) a call; the long recipe's whole
 (TRL's generation batch) measured no faster (3.0-3.4k against 3.2-3.8k tokens/s on 2 cores).
 trident's servers start as a run's do (``rollout.cpu_threads`` auto: in ``sync`` mode every core
 while the trainer waits). Tokens/s counts generated tokens only, summed over the repeats, over
-their summed time; the vLLM side includes HTTP and the router, i.e. what the RL loop pays. Writes
+their summed time (the servers idle while HF generates: ~1% of a core); the vLLM side includes
+HTTP and the router, i.e. what the RL loop pays. Writes
 ``benchmarks/results/rollout_throughput.{json,md}``.
 """
 
@@ -33,6 +35,7 @@ import json
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -88,52 +91,62 @@ async def vllm_generate(
     return sum(len(c.token_ids) for group in results for c in group), elapsed
 
 
-def repeated(generate, repeats: int) -> dict:
-    """``generate()`` once to warm up, then ``repeats`` times: the tokens and seconds of each."""
-    generate()
-    runs = [generate() for _ in range(repeats)]
-    tokens, seconds = sum(t for t, _ in runs), sum(s for _, s in runs)
-    return {
-        "tokens": [t for t, _ in runs], "seconds": [round(s, 3) for _, s in runs],
-        "tokens_per_s": tokens / seconds,
-    }  # fmt: skip
+def interleaved(sides: dict[str, Callable[[], tuple[int, float]]], repeats: int) -> list[dict]:
+    """Each side's ``generate()`` once to warm up, then ``repeats`` rounds of one pass of each
+    side in turn (a slow minute on a shared host then slows both sides): per side, the tokens and
+    seconds of each pass."""
+    for generate in sides.values():
+        generate()
+    runs: dict[str, list[tuple[int, float]]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, generate in sides.items():
+            runs[name].append(generate())
+    return [
+        {
+            "engine": name,
+            "tokens": [t for t, _ in passes],
+            "seconds": [round(s, 3) for _, s in passes],
+            "tokens_per_s": sum(t for t, _ in passes) / sum(s for _, s in passes),
+        }
+        for name, passes in runs.items()
+    ]
 
 
 def measure(
     model: str, work: Path, prompt_counts: list[int], n: int, max_tokens: int, repeats: int
 ) -> dict[int, list[dict]]:
-    """Both sides on ``model``, for each number of prompts: the fleet a run would start, then HF
-    ``generate`` in batches of ``HF_BATCH`` prompts (``n`` samples each)."""
+    """Both sides on ``model``, for each number of prompts: the fleet a run would start, and HF
+    ``generate`` in batches of ``HF_BATCH`` prompts (``n`` samples each) while the fleet idles."""
     from trident.rollout.fleet import RolloutFleet
 
-    most = max(prompt_counts)
     cfg = load_config(
-        [], [f"model.path={model}", f"run.dir={work}", "run.name=bench", f"data.num_test={most}"]
-    )
+        [],
+        [f"model.path={model}", f"run.dir={work}", "run.name=bench",
+         f"data.num_test={max(prompt_counts)}"],
+    )  # fmt: skip
     tok = load_tokenizer(model)
     ids = [encode_chat(tok, prompt_messages(r["prompt"])) for r in load_split(cfg.data, "test")]
-    vllm, hf = {}, {}
     with RolloutFleet(cfg, model, work) as fleet:
-        for k in prompt_counts:
-            vllm[k] = repeated(
-                lambda k=k: asyncio.run(vllm_generate(fleet.router, ids[:k], n, max_tokens)),
+        return {
+            k: interleaved(
+                {
+                    "trident rollout (vLLM server, HTTP)": lambda k=k: asyncio.run(
+                        vllm_generate(fleet.router, ids[:k], n, max_tokens)
+                    ),
+                    f"HF generate ({HF_BATCH} prompts a call)": lambda k=k: hf_generate(
+                        model, ids[:k], n, max_tokens, HF_BATCH
+                    ),
+                },
                 repeats,
             )
-    for k in prompt_counts:
-        hf[k] = repeated(lambda k=k: hf_generate(model, ids[:k], n, max_tokens, HF_BATCH), repeats)
-    return {
-        k: [
-            {"engine": "trident rollout (vLLM server, HTTP)", **vllm[k]},
-            {"engine": f"HF generate ({HF_BATCH} prompts a call)", **hf[k]},
-        ]
-        for k in prompt_counts
-    }
+            for k in prompt_counts
+        }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--long-model", default="runs/bench-vs-trl/long-sft/model")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
     from trident.cluster.ray_cluster import init_ray
