@@ -13,7 +13,7 @@ from trident.config import load_config
 from trident.models.load import load_causal_lm, load_tokenizer
 from trident.train.batch import collate, micro_batches, pack
 from trident.train.policy import PolicyWorker
-from trident.train.recompute import token_logprobs
+from trident.train.recompute import recompute, token_logprobs
 
 
 def test_pack_places_rows_back_to_back_and_maps_each_predicted_column():
@@ -147,12 +147,12 @@ def test_a_training_step_with_shared_prompts_equals_a_padded_one(tiny_model):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
-def _two_ranks(rank: int, model: str, port: int, out: str, shared: bool) -> None:
+def _two_ranks(rank: int, model: str, port: int, out: str, shared: bool, extra: list) -> None:
     """One of two FSDP2 ranks: two training steps; rank 0 saves the whole weights."""
     from trident.weights.tensors import full_tensor
 
     torch.set_num_threads(1)
-    overrides = [f"model.path={model}", f"trainer.share_prompts={str(shared).lower()}"]
+    overrides = [f"model.path={model}", f"trainer.share_prompts={str(shared).lower()}", *extra]
     worker = PolicyWorker(load_config([], [*BASE, *overrides]), rank, 2, "127.0.0.1", port)
     samples = make_samples(worker.tokenizer, prompts=2, n=4)  # rank r: samples r, r + 2, ...
     samples[5].loss_mask = [0] * len(samples[5].token_ids)  # rank 1: one prompt shared, not two
@@ -165,19 +165,49 @@ def _two_ranks(rank: int, model: str, port: int, out: str, shared: bool) -> None
         torch.save(whole, out)
 
 
-def test_two_fsdp_ranks_share_prompts_together(tiny_model, tmp_path):
+@pytest.mark.parametrize(
+    "extra", [[], ["trainer.mini_batches=2", "algo.kl_coef=0.05"]], ids=["fused", "recomputed"]
+)
+def test_two_fsdp_ranks_share_prompts_together(tiny_model, tmp_path, extra):
     """Each forward pass is a collective on every rank: the ranks share prompts together or
     not at all (a step where only one of them could), and two steps on two ranks give the padded
-    pass's weights."""
+    pass's weights. "recomputed": pi_old recomputed for every row before the first optimizer
+    step (sharded: shared on both ranks or neither) and the reference's logprobs (unsharded:
+    each rank decides alone)."""
     from torch.multiprocessing.spawn import start_processes
 
     weights = []
     for shared in (False, True):
         out = tmp_path / f"shared-{shared}.pt"
-        args = (tiny_model, free_port(), str(out), shared)
+        args = (tiny_model, free_port(), str(out), shared, extra)
         start_processes(_two_ranks, args=args, nprocs=2, start_method="spawn")
         weights.append(torch.load(out))
     # AdamW divides by the gradient's own scale: where it is ~0, float noise moves an element by
     # a few % of one step (lr 1e-4), so 1e-5 (a tenth of a step)
     for name, value in weights[0].items():
         torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_passes_without_gradient_share_prompts_too(tiny_model):
+    """pi_old, the reference and a teacher, recomputed with prompts shared: the padded pass's
+    logprobs at the loss tokens, each model's micro-batch from one pass over its 2 prompts and
+    one over its 6 rows."""
+    tokenizer = load_tokenizer(tiny_model)
+    model = load_causal_lm(tiny_model, "float32", torch.device("cpu"))
+    batch = collate(make_samples(tokenizer, prompts=2, n=3), tokenizer.pad_token_id)
+    rows: list[int] = []
+    model.register_forward_pre_hook(
+        lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    out = {}
+    for shared in (False, True):
+        rows.clear()
+        out[shared] = recompute(
+            batch, model, ref=model, critic=None, teachers={"t": model}, teacher_paths=["t"] * 6,
+            temperature=0.7, token_budget=10_000, world=1, device=torch.device("cpu"),
+            chunk_tokens=7, shared=shared,
+        )  # fmt: skip
+    assert rows == [2, 6] * 3  # old, ref, teacher: the prompts, then the rows' rest
+    for name in ("old", "ref", "teacher"):
+        got, expected = out[True][name] * batch.mask, out[False][name] * batch.mask
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=name)

@@ -344,7 +344,7 @@ class TrainerConfig(Section):
     )
     share_prompts: bool = Field(
         default=True,
-        description="Run a prompt once for the samples of a micro-batch that share it (a GRPO group's), their responses against its keys and values (Prefix Grouper): the same function of the weights, without n copies of the prompt's compute. The policy's training passes, when its logits are a plain head (trainer.logprob_chunk_tokens > 0) and trainer.packing is off.",
+        description="Run a prompt once for the samples of a micro-batch that share it (a GRPO group's), their responses against its keys and values (Prefix Grouper): the same function of the weights, without n copies of the prompt's compute. The policy's training passes and the passes without gradient (π_old when recomputed, the reference, teachers), where a model's logits are a plain head (trainer.logprob_chunk_tokens > 0) and trainer.packing is off.",
     )
     packing: bool = Field(
         default=False,

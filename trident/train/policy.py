@@ -226,6 +226,7 @@ class PolicyWorker:
             skip=skip or (),
             chunk_tokens=self.cfg.trainer.logprob_chunk_tokens,
             packed=self.cfg.trainer.packing,
+            shared=self.cfg.trainer.share_prompts,
         )
 
     def _gather(

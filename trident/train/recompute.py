@@ -100,8 +100,8 @@ def _shared_prompt_logprobs(
     way to the padded pass after the prompts'."""
     from transformers import DynamicCache
 
-    if getattr(model, "is_gradient_checkpointing", False) and torch.is_grad_enabled():
-        return None
+    if getattr(model, "is_gradient_checkpointing", False) and model.training:
+        return None  # transformers' checkpointed layers then drop the cache
     ids, lengths = batch.input_ids, batch.attention_mask.sum(1).tolist()
     has_loss = (batch.mask > 0).any(1).tolist()
     starts = (batch.mask > 0).int().argmax(1).tolist()  # first predicted column with a loss token
@@ -240,6 +240,7 @@ def recompute(
     skip: Sequence[int] = (),
     chunk_tokens: int = 0,
     packed: bool = False,
+    shared: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per-token quantities of this rank's rows [b, T] with no gradient: ``old`` (policy
     logprobs), ``ref``, ``values`` (critic), ``teacher`` (each row's teacher: ``teachers`` by
@@ -257,7 +258,10 @@ def recompute(
         mb = select_rows(batch, idx if idx is not None else [0])
         old = None
         if policy is not None:
-            old = token_logprobs(policy, mb, temperature, chunk_tokens=chunk_tokens, packed=packed)
+            old = token_logprobs(
+                policy, mb, temperature, chunk_tokens=chunk_tokens, packed=packed,
+                shared=shared, world=world,
+            )  # fmt: skip
         values = token_values(critic, mb) if critic is not None else None
         if idx is None:
             continue  # a zero-weight pass: only keeps the FSDP collectives in step
@@ -267,7 +271,7 @@ def recompute(
             parts["values"].append((idx, values))
         if ref is not None:
             ref_logp = token_logprobs(
-                ref, mb, temperature, chunk_tokens=chunk_tokens, packed=packed
+                ref, mb, temperature, chunk_tokens=chunk_tokens, packed=packed, shared=shared
             )[0]
             parts["ref"].append((idx, ref_logp))
     # frozen, unsharded: each rank runs only its own rows
@@ -277,7 +281,7 @@ def recompute(
             idx = [rows[i] for i in local]
             mb = select_rows(batch, idx)
             logp = token_logprobs(
-                teacher, mb, temperature, chunk_tokens=chunk_tokens, packed=packed
+                teacher, mb, temperature, chunk_tokens=chunk_tokens, packed=packed, shared=shared
             )[0]
             parts["teacher"].append((idx, logp))
     names = ["old"] if policy is not None else []
