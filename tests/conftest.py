@@ -116,6 +116,9 @@ def train_on_env(
             "rollout.n=4",
             "trainer.lr=1e-4",
             "trainer.cpu_threads=1",
+            # two steps from a warm-up whose groups may all score alike (a fresh clone's terminal
+            # environment run did): train every trajectory, whose ratio check_env_steps reads
+            "trainer.skip_zero_advantage=false",
             "eval.before_after=false",
             "telemetry.progress=false",
             "telemetry.tensorboard=false",

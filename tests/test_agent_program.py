@@ -58,6 +58,8 @@ def _cfg(model: str, url: str, run_dir, *command: str, steps: int = 2):
             "rollout.n=4",
             "rollout.max_tokens=12",
             "trainer.cpu_threads=1",
+            # 4 groups of 4 may all score alike: train every trajectory, whose ratio is checked
+            "trainer.skip_zero_advantage=false",
             "eval.before_after=false",
             "telemetry.progress=false",
             "telemetry.tensorboard=false",
