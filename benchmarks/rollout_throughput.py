@@ -53,10 +53,9 @@ HF_BATCH = 16  # prompts per HF generate call
 
 
 def hf_generate(
-    model_path: str, prompts: list[list[int]], n: int, max_tokens: int, batch: int
+    model, tok, prompts: list[list[int]], n: int, max_tokens: int, batch: int
 ) -> tuple[int, float]:
-    model, tok = load_causal_lm(model_path).eval(), load_tokenizer(model_path)
-    tok.padding_side = "left"
+    """HF ``generate`` on ``prompts``, ``batch`` of them a call, left-padded: (tokens, s)."""
     generated, start = 0, time.perf_counter()
     with torch.no_grad():
         for i in range(0, len(prompts), batch):
@@ -126,6 +125,7 @@ def measure(
     )  # fmt: skip
     tok = load_tokenizer(model)
     ids = [encode_chat(tok, prompt_messages(r["prompt"])) for r in load_split(cfg.data, "test")]
+    hf, tok.padding_side = load_causal_lm(model).eval(), "left"
     with RolloutFleet(cfg, model, work) as fleet:
         return {
             k: interleaved(
@@ -134,7 +134,7 @@ def measure(
                         vllm_generate(fleet.router, ids[:k], n, max_tokens)
                     ),
                     f"HF generate ({HF_BATCH} prompts a call)": lambda k=k: hf_generate(
-                        model, ids[:k], n, max_tokens, HF_BATCH
+                        hf, tok, ids[:k], n, max_tokens, HF_BATCH
                     ),
                 },
                 repeats,
