@@ -1,0 +1,449 @@
+"""Exactly once across retries, reordering and crashes (tinker.md §5.4): the training service's
+journal, scheduler, snapshots and replay, driven through ``TinkerService`` as the HTTP layer
+drives it.
+
+The trainer is a small real torch model with AdamW and dropout (so the RNG matters) behind
+trident's ``Trainer`` seam; a crash is the service's event loop ending mid-sequence without
+``close`` (every task cancelled where it stood, files left as they were), at a point a fault
+injected into the trainer picks. The restarted service must end on the state of a run that
+never crashed, bitwise: weights, Adam moments, RNG.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trident.tinker.journal import Journal, model_id_of
+from trident.tinker.service import (
+    Op,
+    RequestConflict,
+    ServiceSettings,
+    TinkerService,
+    UnknownRequest,
+)
+from trident.train.datum import AdamParams, Datum, LoraShape
+
+VOCAB = 32
+
+
+class TinyTrainer:
+    """The ``Trainer`` protocol on a real two-layer torch model (embedding, dropout, linear)
+    with AdamW and Tinker's sum-semantics cross entropy. ``log`` records what ran, in order."""
+
+    log: list[str]
+
+    def __init__(self, base_path: str, lora: LoraShape | None) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(
+            torch.nn.Embedding(VOCAB, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, VOCAB)
+        )
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.log = []
+
+    async def forward_backward(
+        self, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, float], forward_only: bool
+    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
+        if loss_fn != "cross_entropy":
+            raise ValueError(f"unknown loss {loss_fn}")
+        self.log.append(f"fb{int(loss_fn_config['seq'])}")
+        outputs, total = [], torch.zeros(())
+        for datum in data:
+            logits = self.model(datum.input_tokens)
+            logprobs = logits.log_softmax(-1).gather(
+                -1, datum.loss_inputs["target_tokens"][:, None]
+            )[:, 0]
+            loss = -(logprobs * datum.loss_inputs["weights"])
+            total = total + loss.sum()
+            outputs.append({"logprobs": logprobs.detach(), "elementwise_loss": loss.detach()})
+        if not forward_only:
+            total.backward()
+        return outputs, {"loss:sum": total.item()}
+
+    async def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        self.log.append("optim")
+        for group in self.opt.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps)
+            group.update(weight_decay=adam.weight_decay)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
+        self.opt.step()
+        self.opt.zero_grad()
+        return {"grad_norm": norm.item()}
+
+    async def save_state(self, out_dir: str) -> None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self.model.state_dict(),
+            "optim": self.opt.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        torch.save(state, Path(out_dir) / "state.pt")
+
+    async def load_state(self, ckpt_dir: str, optimizer: bool) -> None:
+        state = torch.load(Path(ckpt_dir) / "state.pt", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        if optimizer:
+            self.opt.load_state_dict(state["optim"])
+            torch.set_rng_state(state["rng"])
+
+    async def save_hf(self, out_dir: str) -> str:
+        torch.save(self.model.state_dict(), Path(out_dir) / "model.pt")
+        return out_dir
+
+    async def close(self) -> None:
+        pass
+
+
+class Crash(TinyTrainer):
+    """Fault injection: the ``at``-th call of method ``method`` never returns (the crash)."""
+
+    def __init__(self, base_path: str, lora: LoraShape | None, method: str, at: int) -> None:
+        super().__init__(base_path, lora)
+        self.method, self.at, self.calls = method, at, 0
+
+    async def _maybe_hang(self, method: str) -> None:
+        if method == self.method:
+            self.calls += 1
+            if self.calls == self.at:
+                await asyncio.Event().wait()
+
+    async def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        await self._maybe_hang("optim_step")
+        return await super().optim_step(adam)
+
+    async def forward_backward(self, *args: Any) -> Any:
+        await self._maybe_hang("forward_backward")
+        return await super().forward_backward(*args)
+
+    async def save_state(self, out_dir: str) -> None:
+        await super().save_state(out_dir)  # the files are written, the manifest is not
+        await self._maybe_hang("save_state")
+
+
+# -- the codec's part, for this test: JSON bodies --------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForwardBackward:
+    data: list[Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, float]
+    forward_only: bool
+
+
+def decode(kind: str, body: bytes) -> Any:
+    fields = json.loads(body)
+    if kind == "forward_backward":
+        data = [
+            Datum(
+                torch.tensor(d["tokens"]),
+                {
+                    "target_tokens": torch.tensor(d["targets"]),
+                    "weights": torch.tensor(d["weights"]),
+                },
+            )
+            for d in fields["data"]
+        ]
+        config = fields["loss_fn_config"]
+        return ForwardBackward(data, fields["loss_fn"], config, fields["forward_only"])
+    if kind == "optim_step":
+        return AdamParams(**fields["adam_params"])
+    return fields
+
+
+def op(kind: str, model_id: str, seq_id: int, **fields: Any) -> Op:
+    body = json.dumps({"model_id": model_id, "seq_id": seq_id, **fields}).encode()
+    return Op(kind, model_id, seq_id, body, decode(kind, body))
+
+
+def fb_op(model_id: str, seq_id: int, salt: int = 0, data_seq: int | None = None) -> Op:
+    gen = torch.Generator().manual_seed((data_seq or seq_id) * 7 + salt)
+    data = []
+    for _ in range(2):
+        tokens = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
+        data.append({"tokens": tokens, "targets": tokens[1:] + [0], "weights": [0.2] * 6})
+    return op(
+        "forward_backward", model_id, seq_id, data=data, loss_fn="cross_entropy",
+        loss_fn_config={"seq": data_seq or seq_id}, forward_only=False,
+    )  # fmt: skip
+
+
+def optim_op(model_id: str, seq_id: int) -> Op:
+    adam = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+    return op("optim_step", model_id, seq_id, adam_params=adam)
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    path = tmp_path / "base"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": ["TinyForCausalLM"]}))
+    return path
+
+
+def service(state: Path, base: Path, factory: Any = TinyTrainer, **kw: Any) -> TinkerService:
+    settings = ServiceSettings(state_dir=state, models={"tiny": str(base)}, **kw)
+    return TinkerService(settings, factory, decode)
+
+
+async def new_model(svc: TinkerService) -> str:
+    session = svc.create_session({"tags": []})
+    model_id = model_id_of(session, 0)
+    rid = await svc.submit(op("create_model", model_id, 0, base_model="tiny", lora_config=None))
+    assert (await svc.result(rid, 30)).payload["model_id"] == model_id
+    return model_id
+
+
+async def ready(svc: TinkerService, rid: str) -> Any:
+    result = await svc.result(rid, 30)
+    assert result is not None and result.kind != "error", result
+    return result.payload
+
+
+# -- retries, conflicts, order ---------------------------------------------------------------
+
+
+def test_a_repeated_request_runs_once_and_another_payload_under_its_id_is_refused(tmp_path, base):
+    async def main() -> None:
+        svc = service(tmp_path / "state", base)
+        await svc.start()
+        model_id = await new_model(svc)
+        first = await svc.submit(fb_op(model_id, 1))
+        assert await svc.submit(fb_op(model_id, 1)) == first  # the SDK's retry: same future
+        with pytest.raises(RequestConflict):
+            await svc.submit(fb_op(model_id, 1, salt=1))
+        outputs, metrics = await ready(svc, first)
+        assert len(outputs) == 2 and metrics["loss:sum"] > 0
+        assert await svc.submit(fb_op(model_id, 1)) == first  # and after it ran
+        await ready(svc, await svc.submit(optim_op(model_id, 2)))
+        assert svc.models[model_id].live().log == ["fb1", "optim"]
+        with pytest.raises(UnknownRequest):
+            await svc.result(f"{model_id}#9", 0.01)
+        session = model_id.split(":")[0]
+        assert svc.heartbeat(session)
+        svc.finish_session(session)
+        assert not svc.heartbeat(session)
+        late = await svc.result(await svc.submit(fb_op(model_id, 3)), 1)
+        assert late is not None and late.kind == "error"
+        await svc.close()
+
+    asyncio.run(main())
+
+
+def test_chunks_arriving_2_3_1_are_applied_1_2_3(tmp_path, base):
+    async def main() -> None:
+        svc = service(tmp_path / "state", base)
+        await svc.start()
+        model_id = await new_model(svc)
+        second = await svc.submit(fb_op(model_id, 2))
+        third = await svc.submit(fb_op(model_id, 3))
+        assert await svc.result(second, 0.05) is None  # held behind seq 1: "not yet" (408)
+        first = await svc.submit(fb_op(model_id, 1))
+        for rid in (first, second, third):
+            await ready(svc, rid)
+        assert svc.models[model_id].live().log == ["fb1", "fb2", "fb3"]
+        await svc.close()
+
+    asyncio.run(main())
+
+
+def test_a_gap_that_never_fills_fails_the_requests_behind_it(tmp_path, base):
+    async def main() -> None:
+        svc = service(tmp_path / "state", base, gap_timeout_s=0.2)
+        await svc.start()
+        model_id = await new_model(svc)
+        held = await svc.submit(fb_op(model_id, 2))
+        failed = await svc.result(held, 5)
+        assert failed is not None and failed.kind == "error"
+        assert "seq 1" in failed.payload["error"]
+        await ready(svc, await svc.submit(fb_op(model_id, 1)))  # the late seq 1 still runs
+        await ready(svc, await svc.submit(fb_op(model_id, 3)))  # 2 is passed over
+        assert svc.models[model_id].live().log == ["fb1", "fb3"]
+        await svc.close()
+
+    asyncio.run(main())
+
+
+def test_a_torn_last_record_is_dropped_on_open(tmp_path):
+    path = tmp_path / "journal.log"
+    journal = Journal(path)
+    journal.record_session("s", b"{}")
+    for seq in range(3):
+        journal.record_op("forward_backward", "s:train:0", seq, b"body%d" % seq)
+    journal.close()
+    whole = path.read_bytes()
+    for torn in (whole[:-3], whole[:-3] + b"xyz!"):  # cut short; corrupt in its last bytes
+        path.write_bytes(torn)
+        reopened = Journal(path)
+        assert sorted(o.seq_id for o in reopened.ops.values()) == [0, 1]
+        assert reopened.body("s:train:0#1") == b"body1"
+        assert reopened.record_op("forward_backward", "s:train:0", 2, b"body2")[1]  # new again
+        reopened.close()
+        assert Journal(path).body("s:train:0#2") == b"body2"
+
+
+def saved_state(svc: TinkerService, uri: str) -> dict[str, Any]:
+    model_id, _, name = uri.removeprefix("tinker://").rpartition("/weights/")
+    place = svc.settings.state_dir / "models" / model_id.replace(":", "%3A") / "weights" / name
+    return torch.load(place / "trainer" / "state.pt", weights_only=True)
+
+
+def test_a_model_created_from_saved_weights_continues_bitwise(tmp_path, base):
+    async def main() -> None:
+        svc = service(tmp_path / "state", base)
+        await svc.start()
+        model_id = await new_model(svc)
+        await run_steps(svc, model_id, range(2))
+        half = await ready(svc, await svc.submit(op("save_weights", model_id, 7, path="half")))
+        for o in (fb_op(model_id, 8), fb_op(model_id, 9), optim_op(model_id, 10)):
+            await ready(svc, await svc.submit(o))
+        end = await ready(svc, await svc.submit(op("save_weights", model_id, 11, path="end")))
+        taken = await svc.result(await svc.submit(op("save_weights", model_id, 12, path="end")), 5)
+        assert taken is not None and taken.kind == "error"  # a name is not silently replaced
+        snapshots = svc.settings.state_dir / "models" / model_id.replace(":", "%3A") / "snapshots"
+        assert sorted(p.name for p in snapshots.iterdir()) == ["seq_10", "seq_6"]  # keep 2
+
+        async def from_state(optimizer: bool) -> str:
+            loaded = model_id_of(svc.create_session({}), 0)
+            body = {"path": half["path"], "optimizer": optimizer}
+            answer = await ready(svc, await svc.submit(op("load_weights", loaded, 0, **body)))
+            assert answer == {"model_id": loaded, "path": half["path"], "type": "load_weights"}
+            return loaded
+
+        resumed = await from_state(optimizer=True)
+        for o in (fb_op(resumed, 1, data_seq=8), fb_op(resumed, 2, data_seq=9)):
+            await ready(svc, await svc.submit(o))
+        await ready(svc, await svc.submit(optim_op(resumed, 3)))
+        again = await ready(svc, await svc.submit(op("save_weights", resumed, 4, path="end")))
+        assert_bitwise(saved_state(svc, again["path"]), saved_state(svc, end["path"]))
+
+        fresh = await from_state(optimizer=False)  # weights only: no Adam moments
+        plain = await ready(svc, await svc.submit(op("save_weights", fresh, 1, path="w")))
+        assert_bitwise(
+            saved_state(svc, plain["path"])["model"], saved_state(svc, half["path"])["model"]
+        )
+        assert saved_state(svc, plain["path"])["optim"]["state"] == {}
+        info = svc.model_info(resumed)
+        assert info["model_data"]["arch"] == "TinyForCausalLM" and not info["is_lora"]
+
+        missing = model_id_of(svc.create_session({}), 0)
+        body = {"path": f"tinker://{model_id}/weights/nope", "optimizer": True}
+        refused = await svc.result(await svc.submit(op("load_weights", missing, 0, **body)), 5)
+        assert refused is not None and refused.payload["category"] == "user"
+        await svc.close()
+
+    asyncio.run(main())
+
+
+# -- crash and restart -----------------------------------------------------------------------
+
+STEPS = 4  # each: two forward_backward chunks (posted second first), then optim_step
+
+
+def step_ops(model_id: str, step: int) -> list[Op]:
+    seq = 3 * step + 1
+    return [fb_op(model_id, seq + 1), fb_op(model_id, seq), optim_op(model_id, seq + 2)]
+
+
+async def run_steps(svc: TinkerService, model_id: str, steps: range) -> list[Any]:
+    results = []
+    for step in steps:
+        rids = [await svc.submit(o) for o in step_ops(model_id, step)]
+        results.append([await ready(svc, rid) for rid in rids])
+    return results
+
+
+async def finish(svc: TinkerService, model_id: str) -> dict[str, Any]:
+    seq = 3 * STEPS + 1
+    payload = await ready(svc, await svc.submit(op("save_weights", model_id, seq, path="final")))
+    assert payload["path"] == f"tinker://{model_id}/weights/final"
+    await svc.close()
+    return torch.load(
+        svc.settings.state_dir / "models" / model_id.replace(":", "%3A") / "weights" / "final"
+        / "trainer" / "state.pt",
+        weights_only=True,
+    )  # fmt: skip
+
+
+def assert_bitwise(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_bitwise(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_bitwise(x, y)
+    else:
+        assert a == b
+
+
+# (method that hangs, its call number, snapshot_every): where the first life dies
+CRASHES = {
+    "between forward_backward and optim_step": ("optim_step", 3, 2),
+    "mid-snapshot": ("save_state", 2, 1),
+    "after a snapshot, before the next step": ("forward_backward", 5, 1),
+    "no snapshot yet": ("optim_step", 3, 100),
+}
+
+
+@pytest.mark.parametrize("crash", list(CRASHES), ids=list(CRASHES))
+def test_a_crash_mid_sequence_ends_on_the_uninterrupted_state_bitwise(tmp_path, base, crash):
+    method, at, every = CRASHES[crash]
+
+    async def uninterrupted() -> tuple[list[Any], dict[str, Any]]:
+        svc = service(tmp_path / "clean", base, snapshot_every=every)
+        await svc.start()
+        model_id = await new_model(svc)
+        results = await run_steps(svc, model_id, range(STEPS))
+        return results, await finish(svc, model_id)
+
+    async def first_life() -> tuple[str, list[str]]:
+        svc = service(
+            tmp_path / "state", base, lambda p, lora: Crash(p, lora, method, at),
+            snapshot_every=every,
+        )  # fmt: skip
+        await svc.start()
+        model_id = await new_model(svc)
+        rids: list[str] = []
+        for step in range(STEPS):
+            rids += [await svc.submit(o) for o in step_ops(model_id, step)]
+            if await svc.result(rids[-1], 2) is None:
+                break  # the crash point: the loop ends without close
+        return model_id, rids
+
+    async def second_life(model_id: str, rids: list[str]) -> tuple[list[Any], dict, list]:
+        svc = service(tmp_path / "state", base, snapshot_every=every)
+        await svc.start()  # restore the newest snapshot, replay the journal after it
+        answered = [await ready(svc, rid) for rid in rids]  # journaled ids wait for the replay
+        done = len(rids) // 3
+        # the client's retries of what it had not seen answered: the same ids
+        assert [await svc.submit(o) for o in step_ops(model_id, done - 1)] == rids[-3:]
+        later = await run_steps(svc, model_id, range(done, STEPS))
+        log = svc.models[model_id].live().log
+        results = [answered[i : i + 3] for i in range(0, len(answered), 3)] + later
+        return results, await finish(svc, model_id), log
+
+    clean_results, clean_state = asyncio.run(uninterrupted())
+    model_id, rids = asyncio.run(first_life())
+    assert len(rids) < 3 * STEPS  # the first life did crash
+    with open(tmp_path / "state" / "journal.log", "ab") as journal:
+        journal.write(b"TKJ1\x99")  # and tore the journal's tail as it died
+    results, state, log = asyncio.run(second_life(model_id, rids))
+
+    assert_bitwise(state, clean_state)  # weights, Adam moments (step counts) and RNG
+    assert int(state["optim"]["state"][0]["step"]) == STEPS  # no optim_step applied twice
+    assert_bitwise(results, clean_results)  # every answer, the replayed ones included
+    # the second life replayed only what followed its snapshot, in seq order, once each
+    assert log.count("optim") == len(log) // 3
+    fb = [int(entry[2:]) for entry in log if entry.startswith("fb")]
+    assert fb[0] % 3 == 1  # from a step's start: a snapshot follows an optim_step
+    assert fb == [seq for seq in range(fb[0], 3 * STEPS + 1) if seq % 3]

@@ -1,0 +1,4 @@
+"""The training service: the Tinker API served from trident's own trainer, sampler and
+checkpoints (``trident tinker serve``). ``service`` holds the state behind the HTTP layer;
+``journal``, ``scheduler`` and ``snapshots`` make every training request run exactly once, in seq
+order, across crashes; ``models`` runs each request on a model's trainer."""
