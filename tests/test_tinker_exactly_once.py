@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ class TinyTrainer:
 
     def __init__(self, base_path: str, lora: LoraShape | None) -> None:
         torch.manual_seed(0)
+        self.lora = lora
         self.model = torch.nn.Sequential(
             torch.nn.Embedding(VOCAB, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, VOCAB)
         )
@@ -154,6 +156,8 @@ def decode(kind: str, body: bytes) -> Any:
         return ForwardBackward(data, fields["loss_fn"], config, fields["forward_only"])
     if kind == "optim_step":
         return AdamParams(**fields["adam_params"])
+    if fields.get("lora"):
+        fields["lora"] = LoraShape(**fields["lora"])
     return fields
 
 
@@ -192,10 +196,10 @@ def service(state: Path, base: Path, factory: Any = TinyTrainer, **kw: Any) -> T
     return TinkerService(settings, factory, decode)
 
 
-async def new_model(svc: TinkerService) -> str:
+async def new_model(svc: TinkerService, lora: dict[str, Any] | None = None) -> str:
     session = svc.create_session({"tags": []})
     model_id = model_id_of(session, 0)
-    rid = await svc.submit(op("create_model", model_id, 0, base_model="tiny", lora_config=None))
+    rid = await svc.submit(op("create_model", model_id, 0, base_model="tiny", lora=lora))
     assert (await svc.result(rid, 30)).payload["model_id"] == model_id
     return model_id
 
@@ -231,6 +235,27 @@ def test_a_repeated_request_runs_once_and_another_payload_under_its_id_is_refuse
         assert not svc.heartbeat(session)
         late = await svc.result(await svc.submit(fb_op(model_id, 3)), 1)
         assert late is not None and late.kind == "error"
+        await svc.close()
+
+    asyncio.run(main())
+
+
+def test_create_model_answers_before_the_model_has_loaded(tmp_path, base):
+    loaded = threading.Event()
+
+    def slow_load(path: str, lora: LoraShape | None) -> TinyTrainer:
+        assert loaded.wait(30)  # a model load that takes longer than the POST may
+        return TinyTrainer(path, lora)
+
+    async def main() -> None:
+        svc = service(tmp_path / "state", base, slow_load)
+        model_id = model_id_of(svc.create_session({}), 0)
+        rid = await svc.submit(op("create_model", model_id, 0, base_model="tiny", lora=None))
+        first = await svc.submit(fb_op(model_id, 1))  # queued behind the load
+        assert await svc.result(rid, 0.05) is None  # the POST was answered; the load goes on
+        loaded.set()
+        assert (await ready(svc, rid))["model_id"] == model_id
+        await ready(svc, first)
         await svc.close()
 
     asyncio.run(main())
@@ -298,7 +323,7 @@ def test_a_model_created_from_saved_weights_continues_bitwise(tmp_path, base):
     async def main() -> None:
         svc = service(tmp_path / "state", base)
         await svc.start()
-        model_id = await new_model(svc)
+        model_id = await new_model(svc, lora={"rank": 4, "alpha": 8.0})
         await run_steps(svc, model_id, range(2))
         half = await ready(svc, await svc.submit(op("save_weights", model_id, 7, path="half")))
         for o in (fb_op(model_id, 8), fb_op(model_id, 9), optim_op(model_id, 10)):
@@ -330,7 +355,9 @@ def test_a_model_created_from_saved_weights_continues_bitwise(tmp_path, base):
         )
         assert saved_state(svc, plain["path"])["optim"]["state"] == {}
         info = svc.model_info(resumed)
-        assert info["model_data"]["arch"] == "TinyForCausalLM" and not info["is_lora"]
+        assert svc.models[resumed].live().lora == LoraShape(rank=4, alpha=8.0)  # as saved
+        assert info["arch"] == "TinyForCausalLM" and info["is_lora"] and info["lora_rank"] == 4
+        assert info["base_model"] == "tiny" and info["tokenizer_id"] == str(base)
 
         missing = model_id_of(svc.create_session({}), 0)
         body = {"path": f"tinker://{model_id}/weights/nope", "optimizer": True}

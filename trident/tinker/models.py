@@ -83,6 +83,7 @@ class Origin:
     base_model: str
     base_path: str
     lora: LoraShape | None
+    user_metadata: dict[str, Any] | None = None
     load_path: Path | None = None  # create-via-load: the saved weights
     optimizer: bool = False  # ... with their Adam moments
 
@@ -97,32 +98,26 @@ def model_dir(state_dir: Path, model_id: str) -> Path:
     return state_dir / "models" / quote(model_id, safe="")
 
 
-def origin_of(
-    kind: str, args: Any, served: Mapping[str, str], lora_alpha: float, state_dir: Path
-) -> Origin:
-    """A model's origin from its seq-0 request (``create_model`` or ``load_weights``)."""
+def origin_of(kind: str, args: Any, served: Mapping[str, str], state_dir: Path) -> Origin:
+    """A model's origin from its seq-0 request as the codec decodes it: ``create_model``
+    ``{"base_model", "lora": LoraShape | None, "user_metadata", ...}`` (the codec turns the
+    wire's rank, 0 for full fine-tuning, into the shape), or ``load_weights`` ``{"path",
+    "optimizer", ...}``, whose saved weights record the base model and shape."""
     body = fields(args)
     if kind == "load_weights":
         path = resolve(state_dir, body["path"], "weights")
         meta = json.loads((path / "model.json").read_text())
         lora = LoraShape(**meta["lora"]) if meta["lora"] else None
-        return Origin(meta["base_model"], meta["base_path"], lora, path, bool(body["optimizer"]))
+        return Origin(
+            meta["base_model"], meta["base_path"], lora, body.get("user_metadata"), path,
+            bool(body["optimizer"]),
+        )  # fmt: skip
     name = body["base_model"]
+    # a served name, else a local checkpoint directory (math_rl's model_name=<dir>)
     base_path = served.get(name) or (name if Path(name, "config.json").is_file() else None)
     if base_path is None:
         raise UserError(f"unknown base_model {name!r}: this server serves {sorted(served)}")
-    config = body.get("lora_config") or {}
-    rank = int(config.get("rank", 0))
-    lora = None
-    if rank > 0:  # rank 0 (or no lora_config): full fine-tuning, SkyRL's convention
-        lora = LoraShape(
-            rank=rank,
-            alpha=lora_alpha,
-            train_attn=bool(config.get("train_attn", True)),
-            train_mlp=bool(config.get("train_mlp", True)),
-            train_unembed=bool(config.get("train_unembed", True)),
-        )
-    return Origin(name, base_path, lora)
+    return Origin(name, base_path, body.get("lora"), body.get("user_metadata"))
 
 
 def resolve(state_dir: Path, uri: str, place: str) -> Path:
@@ -162,20 +157,18 @@ class TrainedModel:
         return self.trainer
 
     def info(self) -> dict[str, Any]:
-        """The ``get_info`` body."""
+        """What ``get_info`` and ``training_runs/{id}`` answer (the codec shapes them)."""
         config = Path(self.origin.base_path, "config.json")
         arch = json.loads(config.read_text()).get("architectures", [None])[0]
         lora = self.origin.lora
         return {
             "model_id": self.model_id,
-            "model_data": {
-                "model_name": self.origin.base_model,
-                "tokenizer_id": self.origin.base_path,  # the SDK's get_tokenizer takes a path
-                "arch": arch,
-            },
+            "base_model": self.origin.base_model,
             "is_lora": lora is not None,
             "lora_rank": lora.rank if lora is not None else None,
-            "model_name": self.origin.base_model,
+            "tokenizer_id": self.origin.base_path,  # the SDK's get_tokenizer takes a directory
+            "arch": arch,
+            "user_metadata": self.origin.user_metadata,
         }
 
     async def run(self, kind: str, args: Any, rid: str) -> Result:

@@ -101,15 +101,14 @@ class Op:
 class ServiceSettings:
     state_dir: Path
     models: Mapping[str, str] = field(default_factory=dict)  # served name -> local path
-    lora_alpha: float = 32.0  # not on the Tinker wire
     snapshot_every: int = 1  # optim_steps between snapshots: the most replay a restart does
     gap_timeout_s: float = 300.0  # the SDK's own POST retry window
 
 
 class TinkerService:
-    """Sessions, models and futures (module docstring). ``await start()`` before serving and
-    ``await close()`` after; ``decode(kind, body)`` is the codec's, used to replay the journal.
-    """
+    """Sessions, models and futures (module docstring). ``await start()`` when serving begins
+    (replay starts then rather than at the first request) and ``await close()`` after;
+    ``decode(kind, body)`` is the codec's (``wire.decode_call(...).args``), used for replay."""
 
     def __init__(
         self,
@@ -155,9 +154,11 @@ class TinkerService:
         task.add_done_callback(self._unloading.discard)
 
     def model_info(self, model_id: str) -> dict[str, Any]:
+        """``model_id``, ``base_model``, ``is_lora``, ``lora_rank``, ``tokenizer_id``, ``arch``,
+        ``user_metadata``; raises ``KeyError`` for a model not loaded (yet)."""
         model = self.models.get(model_id)
         if model is None:
-            raise UnknownRequest(f"no model {model_id!r} is loaded")
+            raise KeyError(f"no model {model_id!r} is loaded")
         return model.info()
 
     # -- requests ---------------------------------------------------------------------------
@@ -166,8 +167,7 @@ class TinkerService:
         """Journal ``op`` (fsync) and queue it; its request id. A repeat gets the same id; the
         same id with another body raises ``RequestConflict``. A request that cannot belong to
         a model's sequence is answered with an error at once and not journaled."""
-        if not self._started:
-            raise RuntimeError("TinkerService.submit before start()")
+        await self.start()
         why = self._refusal(op)
         if why is not None:
             rid = f"refused-{uuid.uuid4().hex}"
@@ -186,6 +186,7 @@ class TinkerService:
     async def result(self, request_id: str, timeout_s: float) -> Result | None:
         """The request's result, or None if it is not ready within ``timeout_s`` (poll again).
         Raises ``UnknownRequest`` for an id this service never issued."""
+        await self.start()
         if request_id in self._refused:
             return self._refused[request_id]
         stored = self.results.get(request_id)
@@ -273,7 +274,7 @@ class TinkerService:
 
     def _origin(self, kind: str, args: Any) -> Origin:
         state = self.settings
-        return origin_of(kind, args, state.models, state.lora_alpha, state.state_dir)
+        return origin_of(kind, args, state.models, state.state_dir)
 
     async def _snapshot(self, model: TrainedModel, seq_id: int) -> None:
         """Commit a snapshot; a failure (a full disk) costs only a longer replay."""
@@ -298,7 +299,10 @@ class TinkerService:
 
     async def start(self) -> None:
         """Rebuild every model of an unfinished session and queue its journaled requests after
-        its newest snapshot (module docstring); returns at once, replay runs behind."""
+        its newest snapshot (module docstring); returns at once, replay runs behind. Called by
+        the first ``submit`` or ``result`` if not before; later calls do nothing."""
+        if self._started:
+            return
         self._started = True
         by_model: dict[str, list[OpRecord]] = {}
         for op in self.journal.ops.values():
