@@ -12,7 +12,12 @@ never crashed, bitwise: weights, Adam moments, RNG.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,15 +108,20 @@ class TinyTrainer:
 
 
 class Crash(TinyTrainer):
-    """Fault injection: the ``at``-th call of method ``method`` never returns (the crash)."""
+    """Fault injection: at the ``at``-th call of method ``method`` the process dies (SIGKILL,
+    ``kill``) or the call never returns (the event loop then ends under it)."""
 
-    def __init__(self, base_path: str, lora: LoraShape | None, method: str, at: int) -> None:
+    def __init__(
+        self, base_path: str, lora: LoraShape | None, method: str, at: int, kill: bool = False
+    ) -> None:
         super().__init__(base_path, lora)
-        self.method, self.at, self.calls = method, at, 0
+        self.method, self.at, self.kill, self.calls = method, at, kill, 0
 
     async def _maybe_hang(self, method: str) -> None:
         if method == self.method:
             self.calls += 1
+            if self.calls == self.at and self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
             if self.calls == self.at:
                 await asyncio.Event().wait()
 
@@ -422,49 +432,54 @@ CRASHES = {
 }
 
 
-@pytest.mark.parametrize("crash", list(CRASHES), ids=list(CRASHES))
-def test_a_crash_mid_sequence_ends_on_the_uninterrupted_state_bitwise(tmp_path, base, crash):
+async def uninterrupted(state: Path, base: Path, every: int) -> tuple[list[Any], dict]:
+    svc = service(state, base, snapshot_every=every)
+    await svc.start()
+    model_id = await new_model(svc)
+    results = await run_steps(svc, model_id, range(STEPS))
+    return results, await finish(svc, model_id)
+
+
+async def first_life(
+    state: Path, base: Path, crash: str, kill: bool, progress: Path
+) -> tuple[str, list[str]]:
+    """The client's run until the crash; what it was answered ids for goes to ``progress``."""
     method, at, every = CRASHES[crash]
+    factory = functools.partial(Crash, method=method, at=at, kill=kill)
+    svc = service(state, base, factory, snapshot_every=every)
+    await svc.start()
+    model_id = await new_model(svc)
+    rids: list[str] = []
+    for step in range(STEPS):
+        rids += [await svc.submit(o) for o in step_ops(model_id, step)]
+        progress.write_text(json.dumps([model_id, rids]))
+        if await svc.result(rids[-1], 2) is None:
+            break  # the crash point: the loop ends without close
+    return model_id, rids
 
-    async def uninterrupted() -> tuple[list[Any], dict[str, Any]]:
-        svc = service(tmp_path / "clean", base, snapshot_every=every)
-        await svc.start()
-        model_id = await new_model(svc)
-        results = await run_steps(svc, model_id, range(STEPS))
-        return results, await finish(svc, model_id)
 
-    async def first_life() -> tuple[str, list[str]]:
-        svc = service(
-            tmp_path / "state", base, lambda p, lora: Crash(p, lora, method, at),
-            snapshot_every=every,
-        )  # fmt: skip
-        await svc.start()
-        model_id = await new_model(svc)
-        rids: list[str] = []
-        for step in range(STEPS):
-            rids += [await svc.submit(o) for o in step_ops(model_id, step)]
-            if await svc.result(rids[-1], 2) is None:
-                break  # the crash point: the loop ends without close
-        return model_id, rids
+async def second_life(
+    state: Path, base: Path, every: int, model_id: str, rids: list[str]
+) -> tuple[list[Any], dict, list]:
+    svc = service(state, base, snapshot_every=every)
+    await svc.start()  # restore the newest snapshot, replay the journal after it
+    answered = [await ready(svc, rid) for rid in rids]  # journaled ids wait for the replay
+    done = len(rids) // 3
+    # the client's retries of what it had not seen answered: the same ids
+    assert [await svc.submit(o) for o in step_ops(model_id, done - 1)] == rids[-3:]
+    later = await run_steps(svc, model_id, range(done, STEPS))
+    log = svc.models[model_id].live().log
+    results = [answered[i : i + 3] for i in range(0, len(answered), 3)] + later
+    return results, await finish(svc, model_id), log
 
-    async def second_life(model_id: str, rids: list[str]) -> tuple[list[Any], dict, list]:
-        svc = service(tmp_path / "state", base, snapshot_every=every)
-        await svc.start()  # restore the newest snapshot, replay the journal after it
-        answered = [await ready(svc, rid) for rid in rids]  # journaled ids wait for the replay
-        done = len(rids) // 3
-        # the client's retries of what it had not seen answered: the same ids
-        assert [await svc.submit(o) for o in step_ops(model_id, done - 1)] == rids[-3:]
-        later = await run_steps(svc, model_id, range(done, STEPS))
-        log = svc.models[model_id].live().log
-        results = [answered[i : i + 3] for i in range(0, len(answered), 3)] + later
-        return results, await finish(svc, model_id), log
 
-    clean_results, clean_state = asyncio.run(uninterrupted())
-    model_id, rids = asyncio.run(first_life())
+def check_restart(tmp_path: Path, base: Path, crash: str, model_id: str, rids: list[str]) -> None:
+    every = CRASHES[crash][2]
+    clean_results, clean_state = asyncio.run(uninterrupted(tmp_path / "clean", base, every))
     assert len(rids) < 3 * STEPS  # the first life did crash
     with open(tmp_path / "state" / "journal.log", "ab") as journal:
         journal.write(b"TKJ1\x99")  # and tore the journal's tail as it died
-    results, state, log = asyncio.run(second_life(model_id, rids))
+    results, state, log = asyncio.run(second_life(tmp_path / "state", base, every, model_id, rids))
 
     assert_bitwise(state, clean_state)  # weights, Adam moments (step counts) and RNG
     assert int(state["optim"]["state"][0]["step"]) == STEPS  # no optim_step applied twice
@@ -474,3 +489,26 @@ def test_a_crash_mid_sequence_ends_on_the_uninterrupted_state_bitwise(tmp_path, 
     fb = [int(entry[2:]) for entry in log if entry.startswith("fb")]
     assert fb[0] % 3 == 1  # from a step's start: a snapshot follows an optim_step
     assert fb == [seq for seq in range(fb[0], 3 * STEPS + 1) if seq % 3]
+
+
+@pytest.mark.parametrize("crash", list(CRASHES), ids=list(CRASHES))
+def test_a_crash_mid_sequence_ends_on_the_uninterrupted_state_bitwise(tmp_path, base, crash):
+    progress = tmp_path / "progress.json"
+    model_id, rids = asyncio.run(first_life(tmp_path / "state", base, crash, False, progress))
+    check_restart(tmp_path, base, crash, model_id, rids)
+
+
+def test_a_process_killed_between_forward_backward_and_optim_step_loses_and_repeats_nothing(
+    tmp_path, base
+):
+    crash, progress = "between forward_backward and optim_step", tmp_path / "progress.json"
+    args = [str(tmp_path / "state"), str(base), crash, str(progress)]
+    proc = subprocess.run([sys.executable, __file__, *args], timeout=300, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    model_id, rids = json.loads(progress.read_text())
+    check_restart(tmp_path, base, crash, model_id, rids)
+
+
+if __name__ == "__main__":  # the killed process of the test above
+    state, base_dir, crash, progress = sys.argv[1:]
+    asyncio.run(first_life(Path(state), Path(base_dir), crash, True, Path(progress)))
