@@ -16,6 +16,7 @@
   ``FIGURE_DEFINITIONS`` lists it as a definition or a default rather than a measurement.
 """
 
+import functools
 import json
 import re
 import subprocess
@@ -140,12 +141,14 @@ needs_history = pytest.mark.skipif(
 )
 
 
+@functools.cache
 def commit(rev: str) -> str | None:
     """The full sha of commit ``rev``, or None when the history holds no such commit."""
     return git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
 
 
-def recorded_hashes() -> set[str]:
+@functools.cache
+def recorded_hashes() -> frozenset[str]:
     """Every 40-hex value the results files hold (configs' and diffs' sha1): not commits."""
     found: set[str] = set()
 
@@ -160,7 +163,7 @@ def recorded_hashes() -> set[str]:
 
     for path in RESULTS_JSON:
         walk(json.loads(path.read_text()))
-    return found
+    return frozenset(found)
 
 
 def named_commits(text: str) -> list[str]:
