@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import json
 import os
 import signal
@@ -36,7 +37,8 @@ from trident.tinker.service import (
 )
 from trident.train.datum import AdamParams, Datum, LoraShape
 
-VOCAB = 32
+VOCAB = 64
+MARK = 32  # the first token of a forward_backward's first datum is MARK + its data's seq
 
 
 class TinyTrainer:
@@ -59,7 +61,7 @@ class TinyTrainer:
     ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         if loss_fn != "cross_entropy":
             raise ValueError(f"unknown loss {loss_fn}")
-        self.log.append(f"fb{int(loss_fn_config['seq'])}")
+        self.log.append(f"fb{int(data[0].input_tokens[0]) - MARK}")
         outputs, total = [], torch.zeros(())
         for datum in data:
             logits = self.model(datum.input_tokens)
@@ -107,17 +109,14 @@ class TinyTrainer:
         pass
 
 
-class Crash(TinyTrainer):
-    """Fault injection: at the ``at``-th call of method ``method`` the process dies (SIGKILL,
-    ``kill``) or the call never returns (the event loop then ends under it)."""
+class Crash:
+    """Fault injection around a trainer: at the ``at``-th call of method ``method`` the process
+    dies (SIGKILL, ``kill``) or the call never returns (the event loop then ends under it)."""
 
-    def __init__(
-        self, base_path: str, lora: LoraShape | None, method: str, at: int, kill: bool = False
-    ) -> None:
-        super().__init__(base_path, lora)
-        self.method, self.at, self.kill, self.calls = method, at, kill, 0
+    def __init__(self, inner: Any, method: str, at: int, kill: bool = False) -> None:
+        self.inner, self.method, self.at, self.kill, self.calls = inner, method, at, kill, 0
 
-    async def _maybe_hang(self, method: str) -> None:
+    async def _fault(self, method: str) -> None:
         if method == self.method:
             self.calls += 1
             if self.calls == self.at and self.kill:
@@ -125,17 +124,26 @@ class Crash(TinyTrainer):
             if self.calls == self.at:
                 await asyncio.Event().wait()
 
-    async def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        await self._maybe_hang("optim_step")
-        return await super().optim_step(adam)
-
     async def forward_backward(self, *args: Any) -> Any:
-        await self._maybe_hang("forward_backward")
-        return await super().forward_backward(*args)
+        await self._fault("forward_backward")
+        return await self.inner.forward_backward(*args)
+
+    async def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        await self._fault("optim_step")
+        return await self.inner.optim_step(adam)
 
     async def save_state(self, out_dir: str) -> None:
-        await super().save_state(out_dir)  # the files are written, the manifest is not
-        await self._maybe_hang("save_state")
+        await self.inner.save_state(out_dir)  # the files are written, the manifest is not
+        await self._fault("save_state")
+
+    async def load_state(self, ckpt_dir: str, optimizer: bool) -> None:
+        await self.inner.load_state(ckpt_dir, optimizer)
+
+    async def save_hf(self, out_dir: str) -> str:
+        return await self.inner.save_hf(out_dir)
+
+    async def close(self) -> None:
+        await self.inner.close()
 
 
 # -- the codec's part, for this test: JSON bodies --------------------------------------------
@@ -177,14 +185,16 @@ def op(kind: str, model_id: str, seq_id: int, **fields: Any) -> Op:
 
 
 def fb_op(model_id: str, seq_id: int, salt: int = 0, data_seq: int | None = None) -> Op:
-    gen = torch.Generator().manual_seed((data_seq or seq_id) * 7 + salt)
+    tag = data_seq or seq_id
+    gen = torch.Generator().manual_seed(tag * 7 + salt)
     data = []
     for _ in range(2):
-        tokens = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
+        tokens = torch.randint(0, MARK, (6,), generator=gen).tolist()
         data.append({"tokens": tokens, "targets": tokens[1:] + [0], "weights": [0.2] * 6})
+    data[0]["tokens"][0] = MARK + tag
     return op(
         "forward_backward", model_id, seq_id, data=data, loss_fn="cross_entropy",
-        loss_fn_config={"seq": data_seq or seq_id}, forward_only=False,
+        loss_fn_config={}, forward_only=False,
     )  # fmt: skip
 
 
@@ -396,16 +406,17 @@ async def run_steps(svc: TinkerService, model_id: str, steps: range) -> list[Any
     return results
 
 
-async def finish(svc: TinkerService, model_id: str) -> dict[str, Any]:
+async def finish(svc: TinkerService, model_id: str) -> dict[str, bytes]:
+    """Save the model's state and close; every file of the saved state, by its path (but
+    torch.distributed.checkpoint's ``.metadata``, which names each save by a random id)."""
     seq = 3 * STEPS + 1
     payload = await ready(svc, await svc.submit(op("save_weights", model_id, seq, path="final")))
     assert payload["path"] == f"tinker://{model_id}/weights/final"
     await svc.close()
-    return torch.load(
-        svc.settings.state_dir / "models" / model_id.replace(":", "%3A") / "weights" / "final"
-        / "trainer" / "state.pt",
-        weights_only=True,
-    )  # fmt: skip
+    saved = svc.settings.state_dir / "models" / model_id.replace(":", "%3A") / "weights"
+    trainer = saved / "final" / "trainer"
+    files = [p for p in trainer.rglob("*") if p.is_file() and p.name != ".metadata"]
+    return {str(p.relative_to(trainer)): p.read_bytes() for p in files}
 
 
 def assert_bitwise(a: Any, b: Any) -> None:
@@ -432,8 +443,8 @@ CRASHES = {
 }
 
 
-async def uninterrupted(state: Path, base: Path, every: int) -> tuple[list[Any], dict]:
-    svc = service(state, base, snapshot_every=every)
+async def uninterrupted(state: Path, base: Path, every: int, make: Any) -> tuple[list, dict]:
+    svc = service(state, base, make, snapshot_every=every)
     await svc.start()
     model_id = await new_model(svc)
     results = await run_steps(svc, model_id, range(STEPS))
@@ -441,12 +452,12 @@ async def uninterrupted(state: Path, base: Path, every: int) -> tuple[list[Any],
 
 
 async def first_life(
-    state: Path, base: Path, crash: str, kill: bool, progress: Path
+    state: Path, base: Path, crash: str, kill: bool, progress: Path, make: Any = TinyTrainer
 ) -> tuple[str, list[str]]:
     """The client's run until the crash; what it was answered ids for goes to ``progress``."""
     method, at, every = CRASHES[crash]
-    factory = functools.partial(Crash, method=method, at=at, kill=kill)
-    svc = service(state, base, factory, snapshot_every=every)
+    faulty = functools.partial(Crash, method=method, at=at, kill=kill)
+    svc = service(state, base, lambda p, lora: faulty(make(p, lora)), snapshot_every=every)
     await svc.start()
     model_id = await new_model(svc)
     rids: list[str] = []
@@ -459,31 +470,37 @@ async def first_life(
 
 
 async def second_life(
-    state: Path, base: Path, every: int, model_id: str, rids: list[str]
-) -> tuple[list[Any], dict, list]:
-    svc = service(state, base, snapshot_every=every)
+    state: Path, base: Path, every: int, make: Any, model_id: str, rids: list[str]
+) -> tuple[list[Any], dict, list[str] | None]:
+    svc = service(state, base, make, snapshot_every=every)
     await svc.start()  # restore the newest snapshot, replay the journal after it
     answered = [await ready(svc, rid) for rid in rids]  # journaled ids wait for the replay
     done = len(rids) // 3
     # the client's retries of what it had not seen answered: the same ids
     assert [await svc.submit(o) for o in step_ops(model_id, done - 1)] == rids[-3:]
     later = await run_steps(svc, model_id, range(done, STEPS))
-    log = svc.models[model_id].live().log
+    log = getattr(svc.models[model_id].live(), "log", None)
     results = [answered[i : i + 3] for i in range(0, len(answered), 3)] + later
     return results, await finish(svc, model_id), log
 
 
-def check_restart(tmp_path: Path, base: Path, crash: str, model_id: str, rids: list[str]) -> None:
+def check_restart(
+    tmp_path: Path, base: Path, crash: str, model_id: str, rids: list[str], make: Any = TinyTrainer
+) -> None:
     every = CRASHES[crash][2]
-    clean_results, clean_state = asyncio.run(uninterrupted(tmp_path / "clean", base, every))
+    clean_results, clean = asyncio.run(uninterrupted(tmp_path / "clean", base, every, make))
     assert len(rids) < 3 * STEPS  # the first life did crash
     with open(tmp_path / "state" / "journal.log", "ab") as journal:
         journal.write(b"TKJ1\x99")  # and tore the journal's tail as it died
-    results, state, log = asyncio.run(second_life(tmp_path / "state", base, every, model_id, rids))
+    second = second_life(tmp_path / "state", base, every, make, model_id, rids)
+    results, saved, log = asyncio.run(second)
 
-    assert_bitwise(state, clean_state)  # weights, Adam moments (step counts) and RNG
-    assert int(state["optim"]["state"][0]["step"]) == STEPS  # no optim_step applied twice
+    assert saved == clean  # every byte of the final weights, Adam moments and RNG
     assert_bitwise(results, clean_results)  # every answer, the replayed ones included
+    if log is None:
+        return
+    state = torch.load(io.BytesIO(saved["state.pt"]), weights_only=True)
+    assert int(state["optim"]["state"][0]["step"]) == STEPS  # no optim_step applied twice
     # the second life replayed only what followed its snapshot, in seq order, once each
     assert log.count("optim") == len(log) // 3
     fb = [int(entry[2:]) for entry in log if entry.startswith("fb")]
@@ -507,6 +524,27 @@ def test_a_process_killed_between_forward_backward_and_optim_step_loses_and_repe
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     model_id, rids = json.loads(progress.read_text())
     check_restart(tmp_path, base, crash, model_id, rids)
+
+
+@pytest.mark.parametrize("crash", ["between forward_backward and optim_step", "mid-snapshot"])
+def test_the_real_trainer_restarts_on_the_uninterrupted_state_bitwise(tmp_path, tiny_model, crash):
+    """As above with trident's trainer (``local_trainer``, FSDP2 world size 1, deterministic)
+    on the tiny checkpoint: snapshots and saved weights are its DCP files, compared byte for
+    byte."""
+    tinker_ops = pytest.importorskip("trident.train.tinker_ops")
+    from trident.config import load_config
+
+    overrides = ["trainer.cpu_threads=1", "run.deterministic=true", "telemetry.progress=false"]
+    cfg = load_config([], [f"model.path={tiny_model}", *overrides])
+    make = functools.partial(tinker_ops.local_trainer, cfg=cfg)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        progress, base = tmp_path / "progress.json", Path(tiny_model)
+        first = first_life(tmp_path / "state", base, crash, False, progress, make)
+        model_id, rids = asyncio.run(first)
+        check_restart(tmp_path, base, crash, model_id, rids, make)
+    finally:  # run.deterministic switched torch's kernels process-wide
+        torch.use_deterministic_algorithms(before)
 
 
 if __name__ == "__main__":  # the killed process of the test above
