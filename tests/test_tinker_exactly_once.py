@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from trident.tinker.journal import Journal, model_id_of
+from trident.tinker.models import UserError
 from trident.tinker.service import (
     Op,
     RequestConflict,
@@ -319,6 +320,7 @@ def test_a_torn_last_record_is_dropped_on_open(tmp_path):
     path = tmp_path / "journal.log"
     journal = Journal(path)
     journal.record_session("s", b"{}")
+    journal.record_sampler("s:sample:0", b"sampler")
     for seq in range(3):
         journal.record_op("forward_backward", "s:train:0", seq, b"body%d" % seq)
     journal.close()
@@ -327,6 +329,8 @@ def test_a_torn_last_record_is_dropped_on_open(tmp_path):
         path.write_bytes(torn)
         reopened = Journal(path)
         assert sorted(o.seq_id for o in reopened.ops.values()) == [0, 1]
+        assert reopened.sessions == {"s": False}
+        assert reopened.samplers() == {"s:sample:0": b"sampler"}
         assert reopened.body("s:train:0#1") == b"body1"
         assert reopened.record_op("forward_backward", "s:train:0", 2, b"body2")[1]  # new again
         reopened.close()
@@ -370,6 +374,7 @@ def test_a_model_created_from_saved_weights_continues_bitwise(tmp_path, base):
 
         fresh = await from_state(optimizer=False)  # weights only: no Adam moments
         plain = await ready(svc, await svc.submit(op("save_weights", fresh, 1, path="w")))
+        await ready(svc, await svc.submit(fb_op(fresh, 2, data_seq=8)))
         assert_bitwise(
             saved_state(svc, plain["path"])["model"], saved_state(svc, half["path"])["model"]
         )
@@ -378,6 +383,14 @@ def test_a_model_created_from_saved_weights_continues_bitwise(tmp_path, base):
         assert svc.models[resumed].live().lora == LoraShape(rank=4, alpha=8.0)  # as saved
         assert info["arch"] == "TinyForCausalLM" and info["is_lora"] and info["lora_rank"] == 4
         assert info["base_model"] == "tiny" and info["tokenizer_id"] == str(base)
+
+        with pytest.raises(UserError):  # ``fresh`` has no snapshot: a restart replays from it
+            svc.delete_checkpoint(model_id, "weights/half")
+        await ready(svc, await svc.submit(optim_op(fresh, 3)))
+        # its snapshot follows the step, before the next request runs
+        await ready(svc, await svc.submit(op("save_weights", fresh, 4, path="w2")))
+        svc.delete_checkpoint(model_id, "weights/half")  # now a snapshot of ``fresh`` exists
+        assert not (snapshots.parent / "weights" / "half").exists()
 
         missing = model_id_of(svc.create_session({}), 0)
         body = {"path": f"tinker://{model_id}/weights/nope", "optimizer": True}

@@ -6,9 +6,9 @@ and fsynced before its POST is acknowledged, so an acknowledged request survives
 its request id ``f"{model_id}#{seq_id}"`` (deterministic, so it means the same after a restart;
 a model's first request, ``create_model`` or create-via-``load_weights``, is seq 0 of
 ``model_id = f"{session_id}:train:{model_seq_id}"``, the SDK's own derivation), kind, model,
-seq, the sha256 of the raw body, and the body itself. Sessions, their end, and requests failed
-without running (a seq gap that never filled, ``scheduler``) are records too. Dedup: the same
-request id with the same digest is the same request (the SDK retries with fresh idempotency
+seq, the sha256 of the raw body, and the body itself. Sessions, their end, sampling sessions,
+and requests failed without running (a seq gap that never filled, ``scheduler``) are records
+too. Dedup: the same request id with the same digest is the same request (the SDK retries with fresh idempotency
 headers, so ``(model_id, seq_id)`` is the only key); with another digest it is a
 ``RequestConflict``.
 
@@ -92,6 +92,7 @@ class Journal:
         self.ops: dict[str, OpRecord] = {}
         self.skipped: set[str] = set()  # ops failed without running (scheduler's gap timeout)
         self.sessions: dict[str, bool] = {}  # session id -> finished
+        self._samplers: dict[str, tuple[int, int]] = {}  # sampling session -> its body's place
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
         self._scan()
@@ -126,6 +127,15 @@ class Journal:
     def record_session_end(self, session_id: str) -> None:
         self._append({"t": "session_end", "id": session_id}, b"")
         self.sessions[session_id] = True
+
+    def record_sampler(self, sampler_id: str, body: bytes) -> None:
+        """A sampling session, so its id means the same after a restart."""
+        offset = self._append({"t": "sampler", "id": sampler_id}, body)
+        self._samplers[sampler_id] = (offset, len(body))
+
+    def samplers(self) -> dict[str, bytes]:
+        """Every journaled sampling session's body, by id."""
+        return {s: os.pread(self._reader.fileno(), n, at) for s, (at, n) in self._samplers.items()}
 
     def body(self, rid: str) -> bytes:
         op = self.ops[rid]
@@ -181,6 +191,8 @@ class Journal:
             self.sessions[header["id"]] = False
         elif kind == "session_end":
             self.sessions[header["id"]] = True
+        elif kind == "sampler":
+            self._samplers[header["id"]] = (body_at, length)
 
 
 def _crc(head: bytes, body: bytes) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
 import time
 import uuid
@@ -44,6 +45,7 @@ from trident.tinker.journal import (
     request_id,
 )
 from trident.tinker.models import (
+    SCHEME,
     Origin,
     TrainedModel,
     TrainerFactory,
@@ -51,6 +53,7 @@ from trident.tinker.models import (
     fields,
     model_dir,
     origin_of,
+    resolve,
 )
 from trident.tinker.scheduler import Futures, ModelExecutor, Queued
 from trident.tinker.snapshots import Snapshots
@@ -160,6 +163,23 @@ class TinkerService:
         if model is None:
             raise KeyError(f"no model {model_id!r} is loaded")
         return model.info()
+
+    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
+        """Delete ``weights/<name>`` or ``sampler_weights/<name>`` of a model (the cookbook's
+        rolling checkpoints). Refused for the weights a loaded model was created from while it
+        has no snapshot: a restart would replay from them. A ``save_weights`` that a restart
+        replays writes its checkpoint again."""
+        place, _, name = checkpoint_id.partition("/")
+        if place not in ("weights", "sampler_weights"):
+            raise UserError(f"not a checkpoint id: {checkpoint_id!r}")
+        path = resolve(self.settings.state_dir, f"{SCHEME}{model_id}/{checkpoint_id}", place)
+        for model in self.models.values():
+            if model.origin.load_path == path and model.snapshots.newest() is None:
+                raise UserError(
+                    f"{checkpoint_id} of {model_id} is where model {model.model_id} started, "
+                    "and it has no snapshot yet: a restart would need it"
+                )
+        shutil.rmtree(path)
 
     # -- requests ---------------------------------------------------------------------------
 

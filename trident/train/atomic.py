@@ -14,6 +14,7 @@ page cache outlives the process), so trident's own checkpoints leave it off.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -44,10 +45,8 @@ async def write_dir(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     await fill(tmp)
-    if durable:
-        for path in sorted(tmp.rglob("*")):
-            if path.is_file():
-                _fsync(path)
+    if durable:  # gigabytes of a big model: off the event loop
+        await asyncio.to_thread(_fsync_files, tmp)
     write_file(tmp / MANIFEST, (json.dumps(manifest) + "\n").encode(), durable=durable)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -67,6 +66,12 @@ def write_file(path: Path, data: bytes, durable: bool = True) -> None:
     os.replace(tmp, path)
     if durable:
         _fsync(path.parent)
+
+
+def _fsync_files(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            _fsync(path)
 
 
 def _fsync(path: Path) -> None:
