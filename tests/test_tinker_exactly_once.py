@@ -391,6 +391,11 @@ def test_a_model_created_from_saved_weights_continues_bitwise(tmp_path, base):
         await ready(svc, await svc.submit(op("save_weights", fresh, 4, path="w2")))
         svc.delete_checkpoint(model_id, "weights/half")  # now a snapshot of ``fresh`` exists
         assert not (snapshots.parent / "weights" / "half").exists()
+        await svc.close()
+        svc = service(tmp_path / "state", base)  # a restart: from the snapshot, not from "half"
+        await svc.start()
+        assert svc.model_info(fresh)["lora_rank"] == 4  # known while it restores
+        await ready(svc, await svc.submit(fb_op(fresh, 5)))
 
         missing = model_id_of(svc.create_session({}), 0)
         body = {"path": f"tinker://{model_id}/weights/nope", "optimizer": True}

@@ -19,7 +19,7 @@ import inspect
 import json
 import re
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -87,6 +87,21 @@ class Origin:
     load_path: Path | None = None  # create-via-load: the saved weights
     optimizer: bool = False  # ... with their Adam moments
 
+    def record(self) -> dict[str, Any]:
+        """What a model's snapshots and saved weights keep of it, to rebuild it from them."""
+        lora = asdict(self.lora) if self.lora is not None else None
+        return {
+            "base_model": self.base_model,
+            "base_path": self.base_path,
+            "lora": lora,
+            "user_metadata": self.user_metadata,
+        }
+
+    @staticmethod
+    def from_record(record: dict[str, Any]) -> Origin:
+        lora = LoraShape(**record["lora"]) if record["lora"] else None
+        return Origin(record["base_model"], record["base_path"], lora, record["user_metadata"])
+
 
 def fields(args: Any) -> dict[str, Any]:
     """A JSON request's fields, whether the codec hands a dict or an SDK model."""
@@ -106,12 +121,11 @@ def origin_of(kind: str, args: Any, served: Mapping[str, str], state_dir: Path) 
     body = fields(args)
     if kind == "load_weights":
         path = resolve(state_dir, body["path"], "weights")
-        meta = json.loads((path / "model.json").read_text())
-        lora = LoraShape(**meta["lora"]) if meta["lora"] else None
-        return Origin(
-            meta["base_model"], meta["base_path"], lora, body.get("user_metadata"), path,
-            bool(body["optimizer"]),
-        )  # fmt: skip
+        saved = Origin.from_record(json.loads((path / "model.json").read_text()))
+        user_metadata = body.get("user_metadata", saved.user_metadata)
+        return replace(
+            saved, user_metadata=user_metadata, load_path=path, optimizer=bool(body["optimizer"])
+        )
     name = body["base_model"]
     # a served name, else a local checkpoint directory (math_rl's model_name=<dir>)
     base_path = served.get(name) or (name if Path(name, "config.json").is_file() else None)
@@ -150,6 +164,12 @@ class TrainedModel:
     async def restore(self, snapshot: Path, manifest: dict[str, Any]) -> None:
         await self.live().load_state(str(snapshot / "trainer"), True)
         self.optim_steps = int(manifest["optim_steps"])
+
+    async def snapshot(self, last_seq: int) -> Path:
+        """Commit a snapshot after request ``last_seq`` (right after an ``optim_step``)."""
+        return await self.snapshots.commit(
+            self.live(), self.model_id, last_seq, self.optim_steps, self.origin.record()
+        )
 
     def live(self) -> Trainer:
         if self.trainer is None:
@@ -226,15 +246,10 @@ class TrainedModel:
                 return done  # replayed: this request already wrote it
             if not body.get("overwrite"):
                 raise UserError(f"{uri} exists (pass overwrite=True to replace it)")
-        meta = {
-            "base_model": self.origin.base_model,
-            "base_path": self.origin.base_path,
-            "lora": asdict(self.origin.lora) if self.origin.lora is not None else None,
-        }
 
         async def fill(tmp: Path) -> None:
             await save(str(tmp))
-            (tmp / "model.json").write_text(json.dumps(meta) + "\n")
+            (tmp / "model.json").write_text(json.dumps(self.origin.record()) + "\n")
 
         final.parent.mkdir(parents=True, exist_ok=True)
         await write_dir(final, fill, {"model_id": self.model_id, "request_id": rid}, durable=True)

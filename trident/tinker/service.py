@@ -12,8 +12,9 @@ Restart (``start`` on a state directory a previous process left, however it ende
 of an unfinished session is rebuilt from its newest snapshot, or from its first request if it
 has none, and the journaled requests after the snapshot are queued again in seq order; their
 results reach whoever polls, as the first run's would have. Requests already answered keep the
-answer that was stored first. Nothing is deleted: a finished session's models are unloaded, and
-their files stay for the weights they saved.
+answer that was stored first. A model is known to ``model_info`` from the moment its load
+begins. Nothing is deleted unasked: a finished session's models are unloaded, and their files
+stay for the weights they saved.
 
 Deliberate simplifications: one process; the journal is never compacted (a long run's journal
 holds every ``forward_backward`` body it received); a heartbeat is not required (rule 10:
@@ -277,20 +278,26 @@ class TinkerService:
         """A model's first request: load it (and its saved weights, for create-via-load)."""
         try:
             origin = self._origin(item.kind, item.args)
-            model = TrainedModel(model_id, origin, self.settings.state_dir)
+            model = self.models[model_id] = TrainedModel(model_id, origin, self.settings.state_dir)
             await model.build(self._make_trainer)
             if origin.load_path is not None:
                 trainer = model.live()
                 await trainer.load_state(str(origin.load_path / "trainer"), origin.optimizer)
         except (UserError, ValueError, KeyError, OSError) as exc:
-            return error(f"{item.kind}: {exc}")
+            return self._failed(model_id, error(f"{item.kind}: {exc}"))
         except Exception as exc:
-            return error(f"{item.kind}: {type(exc).__name__}: {exc}", "server")
-        self.models[model_id] = model
+            return self._failed(
+                model_id, error(f"{item.kind}: {type(exc).__name__}: {exc}", "server")
+            )
         if item.kind == "load_weights":
             uri = fields(item.args)["path"]
             return Result("json", {"model_id": model_id, "path": uri, "type": "load_weights"})
         return Result("json", {"model_id": model_id, "type": "create_model"})
+
+    def _failed(self, model_id: str, result: Result) -> Result:
+        """A model that did not load: nothing runs on it, and get_info does not know it."""
+        self.models.pop(model_id, None)
+        return result
 
     def _origin(self, kind: str, args: Any) -> Origin:
         state = self.settings
@@ -299,7 +306,7 @@ class TinkerService:
     async def _snapshot(self, model: TrainedModel, seq_id: int) -> None:
         """Commit a snapshot; a failure (a full disk) costs only a longer replay."""
         try:
-            await model.snapshots.commit(model.live(), model.model_id, seq_id, model.optim_steps)
+            await model.snapshot(seq_id)
         except Exception as exc:
             print(
                 f"tinker: snapshot of {model.model_id} at seq {seq_id} failed ({exc}); the "
@@ -354,20 +361,16 @@ class TinkerService:
             executor.start()  # from the first request, which is queued
             return
         snapshot, manifest = newest
-        first = ops[0]
+        origin = Origin.from_record(manifest["origin"])
+        model = self.models[model_id] = TrainedModel(model_id, origin, self.settings.state_dir)
 
         async def restore() -> None:
             try:
-                args = self._decode(first.kind, self.journal.body(first.request_id))
-                model = TrainedModel(
-                    model_id, self._origin(first.kind, args), self.settings.state_dir
-                )
                 await model.build(self._make_trainer)
                 await model.restore(snapshot, manifest)
             except Exception as exc:  # the model stays unloaded: its requests answer an error
+                self.models.pop(model_id, None)
                 print(f"tinker: cannot restore {model_id} from {snapshot}: {exc}", file=sys.stderr)
-                return
-            self.models[model_id] = model
 
         executor.start(restore)
 

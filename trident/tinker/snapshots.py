@@ -1,6 +1,9 @@
 """A model's snapshots: ``<model dir>/snapshots/seq_<k>/`` is the trainer's ``save_state``
 (weights, Adam moments, RNG) after every request up to seq ``k`` ran, with a manifest
-``{"model_id", "last_seq", "optim_steps"}`` written last (tinker.md §5.4 rule 5).
+``{"model_id", "last_seq", "optim_steps", "origin"}`` written last (tinker.md §5.4 rule 5); the
+origin (base model, base path, LoRA shape) rebuilds the trainer the state is loaded into, so a
+restored model needs nothing its first request named (saved weights it started from may be
+deleted once a snapshot exists).
 
 A snapshot is taken only right after an ``optim_step``, when no gradient is accumulated, so the
 trainer's saved state is all there is. Each snapshot has a new name, so the rename that makes it
@@ -34,13 +37,20 @@ class Snapshots:
         found = self._complete()
         return (found[-1], read_manifest(found[-1])) if found else None
 
-    async def commit(self, trainer: Any, model_id: str, last_seq: int, optim_steps: int) -> Path:
+    async def commit(
+        self, trainer: Any, model_id: str, last_seq: int, optim_steps: int, origin: dict
+    ) -> Path:
         """Write ``seq_<last_seq>`` from ``trainer`` (a ``Trainer``), then prune."""
 
         async def fill(tmp: Path) -> None:
             await trainer.save_state(str(tmp / "trainer"))
 
-        manifest = {"model_id": model_id, "last_seq": last_seq, "optim_steps": optim_steps}
+        manifest = {
+            "model_id": model_id,
+            "last_seq": last_seq,
+            "optim_steps": optim_steps,
+            "origin": origin,
+        }
         self.root.mkdir(parents=True, exist_ok=True)
         path = await write_dir(self.root / f"seq_{last_seq}", fill, manifest, durable=True)
         for old in self._complete()[:-KEEP]:
