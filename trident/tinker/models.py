@@ -151,6 +151,7 @@ class TrainedModel:
     def __init__(self, model_id: str, origin: Origin, state_dir: Path) -> None:
         self.model_id = model_id
         self.origin = origin
+        self.state_dir = state_dir
         self.dir = model_dir(state_dir, model_id)
         self.snapshots = Snapshots(self.dir / "snapshots")
         self.trainer: Trainer | None = None
@@ -198,7 +199,7 @@ class TrainedModel:
             return await self._run(kind, args, rid)
         except (UserError, ValueError, KeyError, TypeError) as exc:
             return error(f"{kind}: {exc}")
-        except Exception as exc:  # the trainer's own failure: the request may be retried
+        except Exception as exc:  # the trainer's own failure, not the request's
             return error(f"{kind}: {type(exc).__name__}: {exc}", "server")
 
     async def _run(self, kind: str, args: Any, rid: str) -> Result:
@@ -226,7 +227,7 @@ class TrainedModel:
                 raise UserError("an unnamed save (a push to the samplers) is not served yet")
             return await self._save("sampler_weights", body, rid, trainer.save_hf)  # HF dir
         if kind == "load_weights":  # legacy addressing: a load into this existing model
-            path = resolve(self.dir.parents[1], body["path"], "weights")
+            path = resolve(self.state_dir, body["path"], "weights")
             await trainer.load_state(str(path / "trainer"), bool(body["optimizer"]))
             return Result("json", {"path": body["path"], "model_id": self.model_id})
         raise UserError(f"unknown request kind {kind!r}")
