@@ -406,6 +406,24 @@ def test_a_model_created_from_saved_weights_continues_bitwise(tmp_path, base):
     asyncio.run(main())
 
 
+def test_a_second_process_cannot_open_a_journal_in_use(tmp_path):
+    path = tmp_path / "journal.log"
+    path.touch()
+    hold = "import fcntl, sys, time; f = open(sys.argv[1], 'ab'); fcntl.lockf(f, fcntl.LOCK_EX)"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"{hold}; print(flush=True); time.sleep(60)", str(path)],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline()  # it holds the lock
+        with pytest.raises(RuntimeError, match="in use by another process"):
+            Journal(path)
+    finally:
+        holder.kill()
+        holder.wait()
+    Journal(path).close()  # the lock went with the process
+
+
 # -- crash and restart -----------------------------------------------------------------------
 
 STEPS = 4  # each: two forward_backward chunks (posted second first), then optim_step

@@ -12,6 +12,9 @@ too. Dedup: the same request id with the same digest is the same request (the SD
 headers, so ``(model_id, seq_id)`` is the only key); with another digest it is a
 ``RequestConflict``.
 
+One process owns a state directory: the journal is locked while open (a second service on it,
+say a restart racing the old process's exit, fails at once instead of applying twice).
+
 Framing: ``magic | header length | body length | crc32(header + body) | header (JSON) | body``.
 A crash mid-append leaves a short or corrupt last record; opening the journal finds the first
 record that does not check out and cuts the file there (it was never acknowledged).
@@ -25,6 +28,7 @@ a crash does not replace what a client may already have read.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -97,6 +101,13 @@ class Journal:
         path.touch()
         self._scan()
         self._file = open(path, "ab")  # noqa: SIM115 (held open for the service's life)
+        try:  # a POSIX lock: the kernel drops it with the process, however it dies
+            fcntl.lockf(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._file.close()
+            raise RuntimeError(
+                f"{path} is in use by another process: one service per state directory"
+            ) from None
         self._reader = open(path, "rb")  # noqa: SIM115
 
     def record_op(self, kind: str, model_id: str, seq_id: int, body: bytes) -> tuple[str, bool]:
