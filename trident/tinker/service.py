@@ -355,7 +355,12 @@ class TinkerService:
             elif op.seq_id > last:
                 if not self.results.has(op.request_id):
                     self._futures.expect(op.request_id)
-                args = self._decode(op.kind, self.journal.body(op.request_id))
+                try:
+                    args = self._decode(op.kind, self.journal.body(op.request_id))
+                except Exception as exc:  # a codec that changed under a journal: refuse to guess
+                    raise RuntimeError(
+                        f"journaled request {op.request_id} ({op.kind}) no longer decodes: {exc}"
+                    ) from exc
                 executor.put(Queued(op.request_id, op.seq_id, op.kind, args, time.monotonic()))
         if newest is None:
             executor.start()  # from the first request, which is queued
