@@ -320,7 +320,7 @@ def _model_parser(sub) -> None:
     )
     source.add_argument(
         "--like",
-        choices=["qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b"],
+        choices=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "llama-3.2-1b"],
         help="a published model's architecture (its config.json), e.g. qwen2.5-0.5b: 494 M params",
     )
     source.add_argument("--config", help="a Hugging Face config.json: its architecture")

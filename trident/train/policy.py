@@ -458,7 +458,14 @@ def _deterministic_kernels() -> None:
     tensor, a debugging aid that changes no result of code that reads what it wrote: 7% of the
     small preset's bfloat16 step on CPU (3.49 s against 3.24 s, interleaved; 3.14 s without
     deterministic kernels). The module is an object with this documented property, which
-    pyright cannot see."""
+    pyright cannot see.
+
+    On CUDA, torch's deterministic mode raises at the first cuBLAS matmul unless cuBLAS runs
+    with a fixed workspace (``CUBLAS_WORKSPACE_CONFIG``, NVIDIA's cuBLAS docs, "Results
+    reproducibility"). cuBLAS reads it when its first handle is made, so it is set here, before
+    the worker's first matmul; a value the user set is kept, and a process that ran a matmul
+    before building the worker must set it itself (scripts/gpu_trainer_check.py does)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     deterministic = torch.utils.deterministic
     deterministic.fill_uninitialized_memory = False  # pyright: ignore[reportAttributeAccessIssue]
