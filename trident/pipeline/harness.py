@@ -71,7 +71,7 @@ from trident.sample import Sample
 from trident.telemetry.lineage import SampleLog
 from trident.telemetry.metrics import MetricsLogger
 from trident.telemetry.trace import Trace
-from trident.weights.backend import weight_backend
+from trident.weights.backend import served_model, weight_backend
 
 
 class RunTrainer(Trainer, Rejoiner, Protocol):
@@ -150,8 +150,10 @@ class RunHarness:
             sleep_level=cfg.rollout.sleep_level,
         )
         rc = cfg.rollout
+        plan = fleet.plan if fleet is not None else None  # attached: not placed here
+        model = served_model(weight_backend(cfg.sync, plan, cfg.model.lora))
         elastic = Elastic(
-            self.run_dir, lambda url: clients(cfg, [url])[0], rc.min_servers, rc.max_servers
+            self.run_dir, lambda url: clients(cfg, [url], model)[0], rc.min_servers, rc.max_servers
         )
         self.recovery = ServerRecovery(
             router,
@@ -188,7 +190,8 @@ class RunHarness:
         servers served before) and evaluate the starting policy (the original eval on resume)."""
         nodes = self.fleet.nodes if self.fleet is not None else {}
         plan = self.fleet.plan if self.fleet is not None else None  # attached: not placed here
-        await self.trainer.connect(self.router.urls, weight_backend(self.cfg.sync, plan), nodes)
+        backend = weight_backend(self.cfg.sync, plan, self.cfg.model.lora)
+        await self.trainer.connect(self.router.urls, backend, nodes)
         if resume_from is not None:
             with self.trace.span("load checkpoint", "trainer"):
                 await self.trainer.load(resume_from)

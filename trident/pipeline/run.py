@@ -26,7 +26,7 @@ from trident.rollout.fleet import RolloutFleet, attach
 from trident.rollout.router import Router
 from trident.telemetry.metrics import MetricsLogger
 from trident.train.group import TrainerGroup, TrainerOutOfMemory, TrainerRankError
-from trident.weights.backend import server_backend
+from trident.weights.backend import SERVER_BACKENDS, served_model, weight_backend
 
 DRIVERS: dict[str, Callable[[RunHarness], Awaitable[None]]] = {
     "sync": sync.train,
@@ -87,10 +87,13 @@ def _run_once(cfg: TridentConfig, own_ray: bool) -> dict[str, Any]:
             # checked in seconds, before anything starts; every role's actors go in the group
             plan = stack.enter_context(reserve(plan_for(cfg, ray.cluster_resources())))
             stack.enter_context(_resumable(run_dir))
-            fleet, router = None, attach(cfg) if attached else None
+            # attached servers were not placed here: GPUs on this cluster or not
+            backend = weight_backend(cfg.sync, None if attached else plan, cfg.model.lora)
+            model = served_model(backend)
+            fleet, router = None, attach(cfg, model) if attached else None
             if not attached:
-                backend = server_backend(cfg.sync, plan)
-                fleet = RolloutFleet(cfg, cfg.model.path, run_dir, backend, plan)
+                server = SERVER_BACKENDS[backend]
+                fleet = RolloutFleet(cfg, cfg.model.path, run_dir, server, plan, model)
             trainer = TrainerGroup(cfg, plan)
             # Both start at once (their imports and loading overlap), except where they share
             # a GPU: vLLM sizes its KV cache from the memory free while it profiles.
