@@ -105,7 +105,9 @@ def _run_once(cfg: TridentConfig, own_ray: bool) -> dict[str, Any]:
                 router = fleet.router
             assert router is not None
             pids = (fleet.pids() if fleet else {}) | trainer.pids
-            results = asyncio.run(run(cfg, router, trainer, log, resume_from, pids, fleet=fleet))
+            results = asyncio.run(
+                run(cfg, router, trainer, log, backend, resume_from, pids, fleet=fleet)
+            )
     finally:
         log.close()
         if started_ray and not cfg.cluster.address:
@@ -180,14 +182,16 @@ async def run(
     router: Router,
     trainer: RunTrainer,
     log: MetricsLogger,
+    backend: str,
     resume_from: Path | None = None,
     pids: dict[str, int] | None = None,
     fleet: ServerRestarter | None = None,
 ) -> dict[str, Any]:
     """The run on servers and a trainer that are up: begin (from ``resume_from``, a
     checkpoint, when given), the schedule, finish; all under the hang watchdog (``pids``: the
-    processes whose stacks it dumps). ``fleet`` restarts a server that dies."""
-    harness = RunHarness(cfg, router, trainer, log, pids, fleet)
+    processes whose stacks it dumps). ``backend``: the weight backend (``weight_backend``, the
+    servers started for it); ``fleet`` restarts a server that dies."""
+    harness = RunHarness(cfg, router, trainer, log, backend, pids, fleet)
 
     async def body() -> dict[str, Any]:
         try:
