@@ -540,7 +540,7 @@ def real_run(mode: str, eta: int, args: argparse.Namespace, model: str, out: Pat
     from trident.rollout.router import Router
     from trident.telemetry.metrics import MetricsLogger, read_metrics
     from trident.train.group import TrainerGroup
-    from trident.weights.backend import server_backend
+    from trident.weights.backend import SERVER_BACKENDS, weight_backend
 
     cfg = load_config(
         [args.config],  # the demo's tiny task and RL recipe
@@ -569,11 +569,12 @@ def real_run(mode: str, eta: int, args: argparse.Namespace, model: str, out: Pat
     log = MetricsLogger(run_dir, tensorboard=False)
     init_ray(cfg.cluster)
     try:
-        with RolloutFleet(cfg, model, run_dir, server_backend(cfg.sync)) as fleet:
+        backend = weight_backend(cfg.sync)
+        with RolloutFleet(cfg, model, run_dir, SERVER_BACKENDS[backend]) as fleet:
             router = Router([client_cls(c.url) for c in fleet.router.clients])
             with TrainerGroup(cfg) as trainer:
                 t0 = time.perf_counter()
-                results = asyncio.run(run(cfg, router, trainer, log))
+                results = asyncio.run(run(cfg, router, trainer, log, backend))
                 wall = time.perf_counter() - t0
     finally:
         log.close()

@@ -109,7 +109,7 @@ WARMUP = 3  # steps left out of the stage means and the floor (allocator warm-up
 GPU = torch.cuda.is_available()
 # trident on one GPU: the settings of scripts/gpu_check (bf16 leaves the probe a wider tolerance).
 TRIDENT_GPU = [
-    "model.dtype=bfloat16", "cluster.placement=colocated", "sync.backend=nccl",
+    "model.dtype=bfloat16", "cluster.placement=colocated", "sync.backend=auto",
     "rollout.gpu_memory_utilization=0.4", "sync.tolerance=0.1",
 ]  # fmt: skip
 

@@ -24,7 +24,7 @@ from trident.rollout.fleet import RolloutFleet
 from trident.sample import Sample
 from trident.telemetry.metrics import MetricsLogger, read_metrics
 from trident.train.group import TrainerGroup
-from trident.weights.backend import server_backend
+from trident.weights.backend import SERVER_BACKENDS, weight_backend
 
 STEPS = 3
 
@@ -79,16 +79,17 @@ def test_sync_and_separate_async_at_eta_zero_train_the_same_samples(tiny_model, 
 
     sync_cfg, async_cfg = config("sync"), config("separate_async")
     init_ray(sync_cfg.cluster)
+    backend = weight_backend(sync_cfg.sync)
     trained, metrics = {}, {}
     try:
         with RolloutFleet(
-            sync_cfg, tiny_model, tmp_path / "servers", server_backend(sync_cfg.sync)
+            sync_cfg, tiny_model, tmp_path / "servers", SERVER_BACKENDS[backend]
         ) as fleet:
             for cfg in (sync_cfg, async_cfg):
                 log = MetricsLogger(Path(cfg.derived.run_dir), tensorboard=False)
                 with TrainerGroup(cfg) as group:
                     trainer = RecordingTrainer(group)
-                    asyncio.run(run(cfg, fleet.router, trainer, log))
+                    asyncio.run(run(cfg, fleet.router, trainer, log, backend))
                     sender = group.pids["trainer_rank0"]
                     assert list(Path("/dev/shm").glob(f"trident-weights-{sender}-*"))
                     # a rank and a server on CPUs allocate through jemalloc

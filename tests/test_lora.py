@@ -266,16 +266,17 @@ def distinct_characters(response: str, **_: object) -> float:
 
 
 def test_the_adapter_sync_brings_a_restarted_server_back(tiny_model, tmp_path):
-    """``AdapterTransport`` into a real vLLM server started for adapters: adapters that change
+    """The adapter backend's transport into a real vLLM server started for adapters: adapters that change
     the model's logprobs (the base is far from them) sync and verify; the server restarted
     serves the base again and fails the check, until ``WeightSync.rejoin`` loads the last
     version from the adapter directory and verifies it."""
-    from trident.config.schema import LoraConfig
+    from trident.config.schema import LoraConfig, SyncConfig
     from trident.models.load import load_causal_lm, load_tokenizer
     from trident.rollout.engine import ADAPTER_MODEL
     from trident.rollout.vllm_server import VLLMServer, lora_server_args
     from trident.train import lora
     from trident.weights.adapter import AdapterTransport
+    from trident.weights.backend import make_transport
     from trident.weights.control import WeightSyncError
     from trident.weights.sync import WeightSync, hf_named_tensors, make_probe, probe_logprobs
 
@@ -291,10 +292,16 @@ def test_the_adapter_sync_brings_a_restarted_server_back(tiny_model, tmp_path):
     assert max(abs(a - b) for a, b in zip(expected, base, strict=True)) > 0.1
     args, env = lora_server_args(8)
     server = VLLMServer(tiny_model, tmp_path / "server.log", extra_args=args, extra_env=env)
-    transport = AdapterTransport(tmp_path / "adapter", lora.adapter_config(model))
+    transport = make_transport(
+        "adapter",
+        SyncConfig(),
+        adapter_dir=tmp_path / "adapter",
+        adapter_config=lora.adapter_config(model),
+    )
+    assert isinstance(transport, AdapterTransport) and transport.served_model == ADAPTER_MODEL
     try:
         url = server.start()
-        sync = WeightSync([url], transport, model=ADAPTER_MODEL)
+        sync = WeightSync([url], transport)
         sync.init()
         pushed = sync.push(hf_named_tensors(lora.adapter_tensors(model), False), 1)
         assert pushed["bytes"] == sum(

@@ -106,12 +106,15 @@ def test_dry_run_prints_the_placement_plan():
     ],
 )
 def test_the_sync_backend_is_one_the_placement_allows(gpus, ranks, servers, placement, backend):
-    from trident.config.schema import SyncConfig
+    from trident.config.schema import LoraConfig, SyncConfig
     from trident.weights.backend import weight_backend
 
     plan = make_plan(placement, ranks, servers, {"GPU": gpus, "CPU": 16})
     assert weight_backend(SyncConfig(), plan) == backend
     assert weight_backend(SyncConfig(backend="nccl"), plan) == "nccl"  # as the user set it
+    # a LoRA policy's adapters alone, wherever it runs; merged, the placement's backend
+    assert weight_backend(SyncConfig(), plan, LoraConfig()) == "adapter"
+    assert weight_backend(SyncConfig(), plan, LoraConfig(sync="merged")) == backend
 
 
 def test_engines_sleep_only_beside_a_trainer_rank_on_their_gpu():

@@ -24,6 +24,7 @@ from trident.config.schema import SyncConfig
 from trident.models.factory import init_model
 from trident.models.load import load_causal_lm, load_tokenizer
 from trident.rollout.engine import Completion, SamplingParams, VLLMClient
+from trident.rollout.vllm_patches import inspect_models_in_process, pause_without_settling
 from trident.rollout.vllm_server import VLLMServer
 from trident.weights import buckets, shm
 from trident.weights.backend import make_transport
@@ -36,11 +37,7 @@ from trident.weights.sync import (
     make_probe,
     probe_logprobs,
 )
-from trident.weights.vllm_plugin import (
-    checksum,
-    inspect_models_in_process,
-    pause_without_settling,
-)
+from trident.weights.vllm_plugin import checksum
 
 # float32 on both sides; measured here: ~1e-6 before and after a sync.
 TOLERANCE = 1e-4

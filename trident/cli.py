@@ -195,13 +195,14 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
     from trident.rollout import membership
     from trident.rollout.fleet import server_options
     from trident.rollout.vllm_server import VLLMServer
-    from trident.weights.backend import server_backend
+    from trident.weights.backend import SERVER_BACKENDS, served_model, weight_backend
 
+    backend = weight_backend(cfg.sync, lora=cfg.model.lora)
     logs = Path(run_dir or cfg.derived.run_dir) / "logs"
     log = logs / (f"vllm_server_joined_{os.getpid()}.log" if run_dir else "vllm_server.log")
     server = VLLMServer(
         cfg.model.path, log, port=0 if run_dir else cfg.rollout.base_port, host=args.host,
-        **server_options(cfg, server_backend(cfg.sync)),
+        **server_options(cfg, SERVER_BACKENDS[backend], served_model(backend)),
     )  # fmt: skip
     print(f"starting a rollout server for {cfg.model.path} (log: {log})", file=sys.stderr)
     url = server.start(cfg.rollout.startup_timeout_s)
@@ -320,7 +321,7 @@ def _model_parser(sub) -> None:
     )
     source.add_argument(
         "--like",
-        choices=["qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b"],
+        choices=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "llama-3.2-1b"],
         help="a published model's architecture (its config.json), e.g. qwen2.5-0.5b: 494 M params",
     )
     source.add_argument("--config", help="a Hugging Face config.json: its architecture")

@@ -6,7 +6,7 @@ A weight update, in every mode (``WeightGate.update``):
 2. abort every in-flight request (``/abort_requests``) and wait until each has come back with its
    partial output; the abort is repeated until nothing of ours is in flight, because a request
    still on its way into the engine misses an abort;
-3. push and verify the new weights (``PolicyWorker.sync_weights``) on the servers that are up (a
+3. push and verify the new weights (``WeightSender.push``) on the servers that are up (a
    server being restarted gets the served version when it rejoins: ``trident.pipeline.recovery``);
    a server that died since its last request is found by a health check first, and one that dies
    during the push or before its verification fails it, is taken out, and the push is repeated

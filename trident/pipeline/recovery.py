@@ -70,7 +70,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from trident.cluster.placement import Plan
 from trident.cluster.ray_cluster import out_of_memory
 from trident.pipeline.gate import WeightGate
 from trident.rollout import membership
@@ -99,7 +98,6 @@ class ServerRestarter(Protocol):
     """The rollout servers' owner (``trident.rollout.fleet.RolloutFleet``)."""
 
     nodes: dict[str, str]  # each server's url -> the Ray node it runs on
-    plan: Plan | None  # where the servers were placed (None: each asked Ray for a share)
 
     async def restart(self, i: int) -> VLLMClient:
         """Called for each recovery: restart server ``i`` on its url, return a client for it."""

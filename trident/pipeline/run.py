@@ -26,7 +26,7 @@ from trident.rollout.fleet import RolloutFleet, attach
 from trident.rollout.router import Router
 from trident.telemetry.metrics import MetricsLogger
 from trident.train.group import TrainerGroup, TrainerOutOfMemory, TrainerRankError
-from trident.weights.backend import server_backend
+from trident.weights.backend import SERVER_BACKENDS, served_model, weight_backend
 
 DRIVERS: dict[str, Callable[[RunHarness], Awaitable[None]]] = {
     "sync": sync.train,
@@ -87,10 +87,13 @@ def _run_once(cfg: TridentConfig, own_ray: bool) -> dict[str, Any]:
             # checked in seconds, before anything starts; every role's actors go in the group
             plan = stack.enter_context(reserve(plan_for(cfg, ray.cluster_resources())))
             stack.enter_context(_resumable(run_dir))
-            fleet, router = None, attach(cfg) if attached else None
+            # attached servers were not placed here: GPUs on this cluster or not
+            backend = weight_backend(cfg.sync, None if attached else plan, cfg.model.lora)
+            model = served_model(backend)
+            fleet, router = None, attach(cfg, model) if attached else None
             if not attached:
-                backend = server_backend(cfg.sync, plan)
-                fleet = RolloutFleet(cfg, cfg.model.path, run_dir, backend, plan)
+                server = SERVER_BACKENDS[backend]
+                fleet = RolloutFleet(cfg, cfg.model.path, run_dir, server, plan, model)
             trainer = TrainerGroup(cfg, plan)
             # Both start at once (their imports and loading overlap), except where they share
             # a GPU: vLLM sizes its KV cache from the memory free while it profiles.
@@ -102,7 +105,9 @@ def _run_once(cfg: TridentConfig, own_ray: bool) -> dict[str, Any]:
                 router = fleet.router
             assert router is not None
             pids = (fleet.pids() if fleet else {}) | trainer.pids
-            results = asyncio.run(run(cfg, router, trainer, log, resume_from, pids, fleet=fleet))
+            results = asyncio.run(
+                run(cfg, router, trainer, log, backend, resume_from, pids, fleet=fleet)
+            )
     finally:
         log.close()
         if started_ray and not cfg.cluster.address:
@@ -177,14 +182,16 @@ async def run(
     router: Router,
     trainer: RunTrainer,
     log: MetricsLogger,
+    backend: str,
     resume_from: Path | None = None,
     pids: dict[str, int] | None = None,
     fleet: ServerRestarter | None = None,
 ) -> dict[str, Any]:
     """The run on servers and a trainer that are up: begin (from ``resume_from``, a
     checkpoint, when given), the schedule, finish; all under the hang watchdog (``pids``: the
-    processes whose stacks it dumps). ``fleet`` restarts a server that dies."""
-    harness = RunHarness(cfg, router, trainer, log, pids, fleet)
+    processes whose stacks it dumps). ``backend``: the weight backend (``weight_backend``, the
+    servers started for it); ``fleet`` restarts a server that dies."""
+    harness = RunHarness(cfg, router, trainer, log, backend, pids, fleet)
 
     async def body() -> dict[str, Any]:
         try:

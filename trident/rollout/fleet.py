@@ -21,12 +21,15 @@ from trident.rollout.router import Router
 from trident.rollout.vllm_server import ServerStartError, lora_server_args
 
 
-def server_options(cfg: TridentConfig, weight_transfer: str | None) -> dict[str, Any]:
+def server_options(
+    cfg: TridentConfig, weight_transfer: str | None, model: str = SERVED_MODEL
+) -> dict[str, Any]:
     """``VLLMServer``'s options from the config (the fleet's servers and ``trident rollout
-    serve``'s are started alike)."""
+    serve``'s are started alike); ``model``: the name the policy is served under, resolved with
+    the weight backend (``trident.weights.backend.served_model``)."""
     rc = cfg.rollout
     args, env = list(rc.extra_server_args), {}
-    if request_model(cfg) == ADAPTER_MODEL:  # the servers load the policy's adapters
+    if model == ADAPTER_MODEL:  # the servers load the policy's adapters
         assert cfg.model.lora is not None
         lora_args, env = lora_server_args(cfg.model.lora.r)
         args = lora_args + args
@@ -47,20 +50,13 @@ def server_options(cfg: TridentConfig, weight_transfer: str | None) -> dict[str,
     )
 
 
-def request_model(cfg: TridentConfig) -> str:
-    """The model name the rollout's requests ask the servers for: the policy's adapter under
-    ``model.lora.sync=adapter``, else the served weights."""
-    lora = cfg.model.lora
-    return ADAPTER_MODEL if lora is not None and lora.sync == "adapter" else SERVED_MODEL
-
-
-def clients(cfg: TridentConfig, urls: list[str]) -> list[VLLMClient]:
-    """A client per server, for the rollout's requests."""
-    timeout, model = cfg.rollout.request_timeout_s, request_model(cfg)
+def clients(cfg: TridentConfig, urls: list[str], model: str = SERVED_MODEL) -> list[VLLMClient]:
+    """A client per server, for the rollout's requests, which ask for ``model``."""
+    timeout = cfg.rollout.request_timeout_s
     return [VLLMClient(u, timeout_s=timeout, model=model) for u in urls]
 
 
-def attach(cfg: TridentConfig) -> Router:
+def attach(cfg: TridentConfig, model: str = SERVED_MODEL) -> Router:
     """A ``Router`` over ``rollout.server_urls``, servers trident did not start: each must
     answer ``/health``, serve trident's model name and report a weight version (trident's
     weight-transfer plugin, which ``trident rollout serve`` loads). Raises ``ServerStartError``
@@ -88,7 +84,7 @@ def attach(cfg: TridentConfig) -> Router:
         root = next(m.get("root") for m in models if m["id"] == SERVED_MODEL)
         version = info.json().get("weight_version")
         print(f"attached to rollout server {url} ({root}, weight version {version})", flush=True)
-    return Router(clients(cfg, rc.server_urls))
+    return Router(clients(cfg, rc.server_urls, model))
 
 
 @ray.remote
@@ -131,10 +127,12 @@ class RolloutFleet(AbstractContextManager):
         run_dir: str | Path,
         weight_transfer: str | None = None,
         plan: Plan | None = None,
+        model: str = SERVED_MODEL,
     ) -> None:
         """``plan``: where the servers run (``trident.cluster.placement``); by default each
-        asks for its share of a device of the cluster, outside any placement group."""
-        self.cfg, self.model_path = cfg, model_path
+        asks for its share of a device of the cluster, outside any placement group; ``model``:
+        the name the policy is served under (``server_options``)."""
+        self.cfg, self.model_path, self.model = cfg, model_path, model
         self.plan = plan
         self.log_dir = Path(run_dir) / "logs"
         self.weight_transfer = weight_transfer
@@ -151,7 +149,7 @@ class RolloutFleet(AbstractContextManager):
         """Create the server actors and ask each to start its server; returns at once
         (``ready`` waits), so that the trainer can start meanwhile."""
         rc = self.cfg.rollout
-        options = server_options(self.cfg, self.weight_transfer)
+        options = server_options(self.cfg, self.weight_transfer, self.model)
         c = self.cfg.cluster
         plan = self.plan = self.plan or make_plan(
             c.placement, 0, rc.num_servers, ray.cluster_resources(), c.role_resources
@@ -186,7 +184,7 @@ class RolloutFleet(AbstractContextManager):
             ) from None
         nodes = ray.get([a.node.remote() for a in self.actors], timeout=30)
         self.nodes = dict(zip(urls, nodes, strict=True))
-        self._router = Router(clients(self.cfg, urls))
+        self._router = Router(clients(self.cfg, urls, self.model))
         return self
 
     async def restart(self, i: int) -> VLLMClient:
@@ -197,7 +195,7 @@ class RolloutFleet(AbstractContextManager):
             url = await self.actors[i].restart.remote(rc.startup_timeout_s)
         except RayTaskError as e:
             raise e.as_instanceof_cause() from None
-        return clients(self.cfg, [url])[0]
+        return clients(self.cfg, [url], self.model)[0]
 
     def log_path(self, i: int) -> Path:
         return self.log_dir / f"vllm_server_{i}.log"

@@ -27,6 +27,7 @@ import httpx
 from trident.cluster.net import PortInUseError, check_port_free, free_port
 from trident.cluster.process import cores_each, die_with_parent, jemalloc_env
 from trident.rollout.engine import SERVED_MODEL
+from trident.rollout.vllm_patches import FORK, PARENT_PID, SERVER
 
 API_SERVER = "trident.rollout.vllm_api_server"  # the module each server runs (`python -m`)
 
@@ -98,7 +99,7 @@ def cpu_options(
     env = {
         # vLLM's CPU platform takes "uni" only when told its engine is not multiprocess
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "TRIDENT_VLLM_FORK": "1",  # fork the engine core (vllm_plugin.py)
+        FORK: "1",  # fork the engine core (vllm_patches.py)
         # The model already runs eagerly (--enforce-eager); what vLLM still torch.compiles is a
         # few helpers, among them the logprob ranks every request computes, which inductor
         # builds into C++ on the server's first request: 1.5-2.3 s of each server's first
@@ -172,8 +173,8 @@ class VLLMServer:
             "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib))),
             "VLLM_CONFIGURE_LOGGING": "1",
             "TOKENIZERS_PARALLELISM": "false",
-            "TRIDENT_VLLM_SERVER": "1",  # trident's plugin: every vLLM process dies with its parent
-            "TRIDENT_PARENT_PID": str(os.getpid()),  # ... this one, for the API server
+            SERVER: "1",  # trident's plugin: every vLLM process dies with its parent
+            PARENT_PID: str(os.getpid()),  # ... this one, for the API server
             # vLLM's process titles (setproctitle) keep /proc/PID/environ intact, so a forked
             # engine core still shows the environment it runs with (tools find a run's
             # processes by it, the tests by their tag)

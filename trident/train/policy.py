@@ -11,8 +11,8 @@ A training step, given the step's scored Samples (the same list on every rank), 
    (global token/sequence counts, so 4x2 equals 8x1 and N ranks equal one);
 4. reduce: the ranks' metric sums become the step's metrics.
 
-The worker also pushes its weights to the rollout servers and saves and loads the training
-state. What the advantage and the loss are made of, and why: ``docs/algorithms.md``.
+The worker also saves and loads the training state; its weight push to the rollout servers is
+its ``WeightSender`` (:mod:`trident.train.weight_sender`). What the advantage and the loss are made of, and why: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,13 +46,7 @@ from trident.train.recompute import (
     shard,
     token_logprobs,
 )
-from trident.weights.tensors import full_tensor
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
-    from trident.weights.backend import Backend
-    from trident.weights.sync import Transport, WeightSync
+from trident.train.weight_sender import WeightSender
 
 __all__ = ["PolicyWorker", "engine_logprobs_are_old", "token_logprobs"]
 
@@ -71,7 +65,7 @@ class PolicyWorker:
         fsdp.set_cpu_threads(cfg.trainer.cpu_threads, sharing=computing)
         torch.manual_seed(cfg.run.seed)
         if cfg.run.deterministic:
-            _deterministic_kernels()
+            fsdp.deterministic_kernels()
         self.cfg, self.rank, self.world = cfg, rank, world_size
         a, tc = cfg.algo, cfg.trainer
         self.device = fsdp.device()
@@ -82,7 +76,6 @@ class PolicyWorker:
         if cfg.model.lora is not None:  # adapters only train; base weights frozen
             model = lora.wrap(model, cfg.model.lora)
         self.model = fsdp.shard(model, dtype)
-        self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self.ref = self._frozen(cfg.model.ref_path or cfg.model.path) if a.kl_coef > 0 else None
         # the advantages' state across steps: adaptive KL, running baselines, prompt ids
         self.adv = Advantages(a, cfg.model.teacher_paths, cfg.data.task)
@@ -99,11 +92,7 @@ class PolicyWorker:
             for path in sorted(set(cfg.model.teacher_paths.values())):
                 _check_same_vocabulary(self.tokenizer, cfg.model.path, path)
                 self.teachers[path] = self._frozen(path)
-        self.sync: WeightSync | None = None
-        self.server_urls: list[str] = []  # every server, as connect() was told (all ranks)
-        self.backend: Backend = "shm"  # resolved: how often the other ranks gather (stream_passes)
-        self.probe: list[int] = []
-        self.served_probe: list[float] | None = None  # the probe's logprobs, last pushed version
+        self.sender: WeightSender | None = None  # the weight push, made by connect()
         self.served_version: int | None = None  # the version pushed, while the weights are it
 
     def _frozen(self, path: str) -> torch.nn.Module:
@@ -287,126 +276,53 @@ class PolicyWorker:
             if out.value is not None:
                 (out.value * self.world).backward()
             add_sums(sums, out.sums)  # a zero-weight pass adds zeros: every rank has the keys
-        sums["grad_norm"] += _clip_and_step(self.model, self.opt, tc.grad_clip)
+        sums["grad_norm"] += fsdp.clip_and_step(self.model, self.opt, tc.grad_clip)
         if self.critic is not None:
-            sums["critic_grad_norm"] += _clip_and_step(self.critic, self.critic_opt, tc.grad_clip)
+            sums["critic_grad_norm"] += fsdp.clip_and_step(
+                self.critic, self.critic_opt, tc.grad_clip
+            )
         sums["optimizer_steps"] += 1
         return rows
 
-    # -- weight sync ---------------------------------------------------------------------------
+    # -- weight push (trident.train.weight_sender) --------------------------------------------
 
     def connect(
-        self, urls: list[str], backend: Backend, nodes: Mapping[str, str] | None = None
+        self, urls: list[str], backend: str, nodes: Mapping[str, str] | None = None
     ) -> None:
-        """Called once, after the rollout servers are up. ``nodes``: the Ray node of each
-        server trident started; a server on another host than rank 0 fetches the shm backend's
-        buckets over HTTP (``ShmTransport(remote=...)``)."""
-        import ray
-
-        from trident.cluster.net import node_ip
-        from trident.rollout.engine import ADAPTER_MODEL, SERVED_MODEL
-        from trident.weights.adapter import AdapterTransport
-        from trident.weights.backend import make_transport
-        from trident.weights.shm import same_host
-        from trident.weights.sync import WeightSync, make_probe
-
-        sc = self.cfg.sync
-        self.probe = make_probe(self.tokenizer, sc.probe_tokens, seed=self.cfg.run.seed)
-        self.server_urls, self.backend = list(urls), backend
-        if self.rank == 0:
-            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-            ip = node_ip()
-            remote = [u for u in urls if not same_host(u, (nodes or {}).get(u), node, ip)]
-            transport: Transport
-            if self.adapter_sync:  # the adapters alone, into the run directory, which they share
-                directory = Path(self.cfg.derived.run_dir) / "lora_adapter"
-                config = lora.adapter_config(self.model)
-                transport = AdapterTransport(directory, config, timeout_s=sc.timeout_s)
-            else:
-                transport = make_transport(
-                    backend,
-                    sc,
-                    # what a restarted server is brought back to (rollout.max_restarts)
-                    keep_served=self.cfg.rollout.max_restarts > 0,
-                    remote=remote,
-                    host=ip,  # this host (shm); the engines join rank 0's NCCL group from it
-                    timeout_s=sc.timeout_s,
-                )
-            model = ADAPTER_MODEL if self.adapter_sync else SERVED_MODEL
-            self.sync = WeightSync(urls, transport, timeout_s=sc.timeout_s, model=model)
-            self.sync.init()
-
-    @property
-    def adapter_sync(self) -> bool:
-        """Whether a sync sends the LoRA adapters alone (``model.lora.sync=adapter``)."""
-        return self.cfg.model.lora is not None and self.cfg.model.lora.sync == "adapter"
+        """Called once, after the rollout servers are up: this rank's ``WeightSender`` for
+        ``backend`` (resolved once per run), connected to ``urls``."""
+        c = self.cfg
+        self.sender = WeightSender(
+            self.rank,
+            self.model,
+            self.tokenizer,
+            c.sync,
+            c.derived.run_dir,
+            backend,
+            engine_dtype=c.model.dtype,
+            seed=c.run.seed,
+            rejoins=c.rollout.max_restarts > 0,  # a restarted server is brought back
+        )
+        self.sender.connect(urls, nodes)
 
     def sync_weights(self, version: int, urls: list[str] | None = None) -> dict[str, float]:
-        """Push the current weights as ``version`` to ``urls`` (default: every server) and
-        verify them (collective on all ranks).
-
-        The weights stream from the FSDP2 shards: every rank iterates the same sharded state
-        dict, each bucket is all-gathered just before rank 0 sends it (``WeightSync.push``),
-        and the other ranks take part in the same gathers (``drain``)."""
-        from trident.weights.backend import stream_passes
-        from trident.weights.sync import drain, hf_named_tensors, probe_logprobs
-
-        # the probe is also what a restarted server is checked against (rollout.max_restarts)
-        probe = self.cfg.sync.verify or self.cfg.rollout.max_restarts > 0
-        expected = probe_logprobs(self.model, self.probe) if probe else None
+        """``WeightSender.push`` of the current weights as ``version`` (collective); the
+        trainer then holds the served version until its next optimizer step."""
+        assert self.sender is not None  # connect() made it
         self.served_version = version
-        # a LoRA policy sends its adapters alone, or its merged weights under the base model's
-        # names (collective: MergedWeights gathers every A)
-        weights: Any = self.model
-        if self.adapter_sync:
-            weights = lora.adapter_tensors(self.model)
-        elif lora.is_lora(self.model):
-            weights = lora.MergedWeights(self.model)
-        # cast to the engine's dtype shard by shard, before each gather (float32 master weights)
-        engine_dtype = getattr(torch, self.cfg.model.dtype)
-        tied = self.tied and not self.adapter_sync
-        shards = hf_named_tensors(weights, tied, dtype=engine_dtype)
-        metrics: dict[str, float] = {}
-        if self.rank != 0:
-            # the GPU backends send to one server at a time, gathering the stream for each
-            targets = len(urls if urls is not None else self.server_urls)
-            drain(shards)
-            passes = 1 if self.adapter_sync else stream_passes(self.backend, targets)
-            for _ in range(passes - 1):
-                drain(hf_named_tensors(weights, tied, dtype=engine_dtype))
-        else:
-            assert self.sync is not None  # connect() made it on rank 0
-            try:
-                metrics = self.sync.push(shards, version, urls)
-                self.served_probe = expected  # what a rejoin to this version is checked against
-                if expected is not None and self.cfg.sync.verify:
-                    tolerance = self.cfg.sync.tolerance
-                    metrics |= self.sync.verify(self.probe, expected, version, tolerance)
-            finally:
-                # the other ranks wait here, also when the push or its verification failed: a
-                # retry (``WeightGate.update``) must find every rank at its first collective
-                dist.barrier()
-            return metrics
-        dist.barrier()
-        return metrics
+        return self.sender.push(version, urls)
 
     def rejoin(self, url: str) -> dict[str, float]:
-        """Rank 0 only: bring the restarted server ``url`` to the last pushed version (from
-        the kept copy, whatever the trainer has learned since) and verify it with that
-        version's probe logprobs (``WeightSync.rejoin``)."""
-        assert self.rank == 0 and self.sync is not None
-        assert self.served_probe is not None  # computed at every sync when restarts are on
-        return self.sync.rejoin(url, self.probe, self.served_probe, self.cfg.sync.tolerance)
+        """``WeightSender.rejoin`` (rank 0 only)."""
+        assert self.sender is not None  # connect() made it
+        return self.sender.rejoin(url)
 
     def pid(self) -> int:
         return os.getpid()
 
     def save_hf(self, out_dir: str) -> str:
         """The policy as an HF checkpoint (a LoRA policy merged into its base). Collective."""
-        merged = lora.merged_state_dict(self.model) if lora.is_lora(self.model) else None
-        base = cast("PreTrainedModel", lora.base_model(self.model))
-        fsdp.save_hf(base, self.tokenizer, out_dir, state=merged)
-        return str(Path(out_dir))
+        return str(lora.save_hf(self.model, self.tokenizer, out_dir))
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -444,32 +360,13 @@ class PolicyWorker:
 
     def release(self) -> None:
         """Delete what this rank keeps outside its process: the weight sync's bucket files."""
-        if self.sync is not None:
-            self.sync.close()
+        if self.sender is not None:
+            self.sender.close()
 
     def shutdown(self) -> None:
         self.release()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _deterministic_kernels() -> None:
-    """``run.deterministic``: torch's deterministic kernels, without its NaN-filling of every new
-    tensor, a debugging aid that changes no result of code that reads what it wrote: 7% of the
-    small preset's bfloat16 step on CPU (3.49 s against 3.24 s, interleaved; 3.14 s without
-    deterministic kernels). The module is an object with this documented property, which
-    pyright cannot see."""
-    torch.use_deterministic_algorithms(True)
-    deterministic = torch.utils.deterministic
-    deterministic.fill_uninitialized_memory = False  # pyright: ignore[reportAttributeAccessIssue]
-
-
-def _clip_and_step(model: torch.nn.Module, opt: torch.optim.Optimizer, max_norm: float) -> float:
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    grad_norm = full_tensor(grad_norm)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(grad_norm)
 
 
 def engine_logprobs_are_old(

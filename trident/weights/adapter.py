@@ -41,6 +41,8 @@ class AdapterTransport:
     """``Transport`` of adapter tensors (peft's saved names) into servers serving the base
     model; ``adapter_config``: peft's ``adapter_config.json`` of the policy."""
 
+    served_model = ADAPTER_MODEL  # the name the adapter is loaded under, which requests ask for
+
     def __init__(
         self, directory: str | Path, adapter_config: dict[str, Any], timeout_s: float = 120.0
     ) -> None:
@@ -49,6 +51,10 @@ class AdapterTransport:
         self.timeout_s = timeout_s
         self.version: int | None = None  # the last version written (what resend loads)
         self.urls: list[str] = []
+
+    def passes(self, servers: int) -> int:
+        """Once: every server loads the same adapter directory."""
+        return 1
 
     def init(self, urls: list[str]) -> None:
         self.urls = list(urls)

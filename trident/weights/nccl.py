@@ -7,7 +7,7 @@ the result as for shm.
 
 Simplifications: the weights are gathered once per server (vLLM's engines send to one server at a
 time), so the ranks that only gather drain the stream as many times
-(``PolicyWorker.sync_weights``); nothing is kept, so a restarted server cannot be brought back.
+(``WeightSender.push``); nothing is kept, so a restarted server cannot be brought back.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
+from trident.rollout.engine import SERVED_MODEL
 from trident.weights.control import WeightRoutes, WeightSyncError, timed
 from trident.weights.tensors import full_tensor
 
@@ -27,6 +28,8 @@ from trident.weights.tensors import full_tensor
 class VLLMEngineTransport:
     """Sends the weights through one vLLM trainer-side engine per server; ``name`` is the
     engine's (``nccl``, ``ipc``), ``init_info`` makes each engine's init info."""
+
+    served_model = SERVED_MODEL
 
     def __init__(self, name: str, init_info: Callable[[], Any], timeout_s: float = 120.0) -> None:
         self.name, self.init_info, self.timeout_s = name, init_info, timeout_s
@@ -61,6 +64,10 @@ class VLLMEngineTransport:
             return IPCTrainerInitInfo(rank=0)
 
         return cls("ipc", init_info, timeout_s)
+
+    def passes(self, servers: int) -> int:
+        """Once per server: vLLM's engines send to one server at a time."""
+        return servers
 
     def init(self, urls: list[str]) -> None:
         """Called once by ``WeightSync.init``, after the servers are up: one trainer-side engine
@@ -165,7 +172,7 @@ class ShardSource(WeightSource):
     global shapes (no gather), and each iteration gathers one tensor at a time as vLLM's engine
     sends it (``full_tensor``, a collective), so rank 0 never holds the whole model. vLLM
     iterates the source once per server's ``send_weights``; the other ranks drain the same
-    stream as many times (``PolicyWorker.sync_weights``)."""
+    stream as many times (``WeightSender.push``)."""
 
     def __init__(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         self.pairs = pairs

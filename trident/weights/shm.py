@@ -69,6 +69,7 @@ from urllib.parse import urlparse
 import torch
 
 from trident.cluster.net import address_towards
+from trident.rollout.engine import SERVED_MODEL
 from trident.weights import delta as delta_codec
 from trident.weights.buckets import (
     DEFAULT_BUCKET_BYTES,
@@ -85,6 +86,8 @@ from trident.weights.vllm_plugin import BASE_MISMATCH
 
 class ShmTransport:
     """Sends the weights as bucket files in ``shm_dir`` (the ``trident_shm`` engine reads them)."""
+
+    served_model = SERVED_MODEL
 
     def __init__(
         self,
@@ -128,6 +131,10 @@ class ShmTransport:
         self._remote_urls = [u.rstrip("/") for u in remote]
         # The bucket files live from the first push to close(), or to this process's exit.
         self._remove_files = weakref.finalize(self, _remove_files, self.shm_dir, self._file_prefix)
+
+    def passes(self, servers: int) -> int:
+        """Once: every server reads the same bucket files."""
+        return 1
 
     # -- setup ---------------------------------------------------------------------------------
 

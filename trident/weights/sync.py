@@ -43,7 +43,7 @@ from typing import Any, Literal, Protocol, cast
 
 import torch
 
-from trident.rollout.engine import SERVED_MODEL, VLLMClient
+from trident.rollout.engine import VLLMClient
 from trident.weights.control import WeightRoutes, WeightSyncError, each, timed
 from trident.weights.faults import fault_point
 from trident.weights.tensors import NamedTensors, full_tensor
@@ -51,7 +51,14 @@ from trident.weights.tensors import NamedTensors, full_tensor
 
 class Transport(Protocol):
     """How the weights reach the servers; ``WeightSync`` drives it. ``ShmTransport`` and
-    ``VLLMEngineTransport`` implement it."""
+    ``VLLMEngineTransport`` implement it (and ``AdapterTransport``, a LoRA policy's adapters)."""
+
+    served_model: str  # the model name the probe and the rollout's requests ask the servers for
+
+    def passes(self, servers: int) -> int:
+        """How many times one push to ``servers`` servers iterates, and so gathers, the weight
+        stream; the ranks that only take part in the gathers drain it as many times."""
+        ...
 
     def init(self, urls: list[str]) -> None:
         """Called once by ``WeightSync.init``, after the servers are up: set up each server's
@@ -76,7 +83,7 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None:
-        """Called once, when the run ends (``PolicyWorker.release``): release what the
+        """Called once, when the run ends (``WeightSender.close``): release what the
         transport holds outside the process (transfer groups, bucket files, the bucket
         server)."""
         ...
@@ -188,18 +195,16 @@ class WeightSync:
         transport: Transport,
         *,
         timeout_s: float = 60.0,
-        model: str = SERVED_MODEL,
     ) -> None:
         """``timeout_s`` bounds every HTTP call of pause, resume and verify (the transport has
-        its own); ``model``: the served model name the probe asks for (a LoRA adapter's under
-        ``model.lora.sync=adapter``)."""
+        its own); the probe asks for the transport's ``served_model``."""
         if not urls:
             raise ValueError("WeightSync needs at least one server url")
         self.urls = [u.rstrip("/") for u in urls]
         self.targets = self.urls  # the servers the last push went to (the others were down)
         self.transport = transport
         self.timeout_s = timeout_s
-        self.model = model
+        self.model = transport.served_model
         self.version: int | None = None  # last version finished on every server
         self.holding: set[str] = set()  # the servers that hold it (pushed or rejoined)
 
