@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from trident.config import load_config
 from trident.tinker.journal import Journal, model_id_of
 from trident.tinker.models import UserError
 from trident.tinker.service import (
@@ -37,6 +38,7 @@ from trident.tinker.service import (
     UnknownRequest,
 )
 from trident.train.datum import AdamParams, Datum, LoraShape
+from trident.train.tinker_ops import local_trainer
 
 VOCAB = 64
 MARK = 32  # the first token of a forward_backward's first datum is MARK + its data's seq
@@ -567,12 +569,9 @@ def test_the_real_trainer_restarts_on_the_uninterrupted_state_bitwise(tmp_path, 
     """As above with trident's trainer (``local_trainer``, FSDP2 world size 1, deterministic)
     on the tiny checkpoint: snapshots and saved weights are its DCP files, compared byte for
     byte."""
-    tinker_ops = pytest.importorskip("trident.train.tinker_ops")
-    from trident.config import load_config
-
     overrides = ["trainer.cpu_threads=1", "run.deterministic=true", "telemetry.progress=false"]
     cfg = load_config([], [f"model.path={tiny_model}", *overrides])
-    make = functools.partial(tinker_ops.local_trainer, cfg=cfg)
+    make = functools.partial(local_trainer, cfg=cfg)
     before = torch.are_deterministic_algorithms_enabled()
     try:
         progress, base = tmp_path / "progress.json", Path(tiny_model)

@@ -21,55 +21,21 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import quote
-
-import torch
 
 from trident.tinker.journal import Result, error
 from trident.tinker.snapshots import Snapshots
 from trident.train.atomic import is_complete, read_manifest, write_dir
-from trident.train.datum import AdamParams, Datum, LoraShape
+from trident.train.datum import AdamParams, LoraShape
+from trident.train.tinker_ops import Trainer
 
 SCHEME = "tinker://"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-class Trainer(Protocol):
-    """One model's training primitives (``trident.train.tinker_ops``'s contract, restated so
-    the service is typed before that module lands). Calls arrive one at a time, in seq order."""
-
-    async def forward_backward(
-        self,
-        data: list[Datum],
-        loss_fn: str,
-        loss_fn_config: dict[str, float],
-        forward_only: bool,
-    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
-        """Per-datum outputs and metrics; gradients accumulate until ``optim_step``."""
-        ...
-
-    async def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        """One AdamW step on the accumulated gradients, which it then clears."""
-        ...
-
-    async def save_state(self, out_dir: str) -> None:
-        """Weights, Adam moments and RNG, to continue bitwise."""
-        ...
-
-    async def load_state(self, ckpt_dir: str, optimizer: bool) -> None:
-        """Continue from ``save_state``'s directory (weights only unless ``optimizer``)."""
-        ...
-
-    async def save_hf(self, out_dir: str) -> str:
-        """An HF checkpoint of the model (LoRA merged)."""
-        ...
-
-    async def close(self) -> None: ...
-
-
 # (base path, LoRA shape or None for full fine-tuning) -> a Trainer, or an awaitable of one
-TrainerFactory = Callable[[str, LoraShape | None], "Trainer | Awaitable[Trainer]"]
+TrainerFactory = Callable[[str, LoraShape | None], Trainer | Awaitable[Trainer]]
 
 
 class UserError(Exception):
