@@ -2,11 +2,13 @@
 journal, scheduler, snapshots and replay, driven through ``TinkerService`` as the HTTP layer
 drives it.
 
-The trainer is a small real torch model with AdamW and dropout (so the RNG matters) behind
-trident's ``Trainer`` seam; a crash is the service's event loop ending mid-sequence without
-``close`` (every task cancelled where it stood, files left as they were), at a point a fault
-injected into the trainer picks. The restarted service must end on the state of a run that
-never crashed, bitwise: weights, Adam moments, RNG.
+Most tests use a small real torch model with AdamW and dropout (so the RNG matters) behind
+trident's ``Trainer`` seam; the crash tests also run on trident's own ``local_trainer`` and the
+tiny checkpoint. A crash is the service's event loop ending mid-sequence without ``close``
+(every task cancelled where it stood, files left as they were), or a real SIGKILL of the
+process, at a point a fault injected into the trainer picks. The restarted service must end on
+the state of a run that never crashed, bitwise (weights, Adam moments, RNG), and answer every
+request as that run did.
 """
 
 from __future__ import annotations
