@@ -1,4 +1,4 @@
-"""Exactly once across retries, reordering and crashes (tinker.md §5.4): the training service's
+"""Exactly once across retries, reordering and crashes (issue #51): the training service's
 journal, scheduler, snapshots and replay, driven through ``TinkerService`` as the HTTP layer
 drives it.
 

@@ -1,5 +1,5 @@
 """The training service's durable memory: the journal of what clients asked, and the store of
-what they were answered (tinker.md §5.4 rules 1, 2 and 4).
+what they were answered (issue #51's exactly-once rules).
 
 **Journal** (``<state_dir>/journal.log``, append only). One record per training request, written
 and fsynced before its POST is acknowledged, so an acknowledged request survives any crash:
@@ -8,9 +8,9 @@ a model's first request, ``create_model`` or create-via-``load_weights``, is seq
 ``model_id = f"{session_id}:train:{model_seq_id}"``, the SDK's own derivation), kind, model,
 seq, the sha256 of the raw body, and the body itself. Sessions, their end, sampling sessions,
 and requests failed without running (a seq gap that never filled, ``scheduler``) are records
-too. Dedup: the same request id with the same digest is the same request (the SDK retries with fresh idempotency
-headers, so ``(model_id, seq_id)`` is the only key); with another digest it is a
-``RequestConflict``.
+too. Dedup: the same request id with the same digest is the same request (the SDK retries with
+fresh idempotency headers, so ``(model_id, seq_id)`` is the only key); with another digest it
+is a ``RequestConflict``.
 
 One process owns a state directory: the journal is locked while open (a second service on it,
 say a restart racing the old process's exit, fails at once instead of applying twice).

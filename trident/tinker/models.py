@@ -2,14 +2,16 @@
 training request runs on it and what it answers.
 
 Every effect here is a function of the request and the model's state, so replaying the journal
-after a snapshot redoes exactly what the first run did (tinker.md §5.4 rule 7 says when that is
-bitwise). A saved directory records which request wrote it, so a replayed ``save_weights`` finds
-its own directory done instead of refusing it as a name already taken.
+after a snapshot redoes exactly what the first run did: bitwise on CPU under
+``run.deterministic`` with the same thread and rank counts; on GPUs once, but not bitwise. A
+saved directory records which request wrote it, so a replayed ``save_weights`` finds its own
+directory done instead of refusing it as a name already taken.
 
-Places (``<state_dir>/models/<model id>/``): ``snapshots/``, ``weights/<name>/`` (the trainer's
-``save_state`` in ``trainer/``, plus ``model.json``: base model, base path, LoRA shape, which a create-via-load
-reads back) and ``sampler_weights/<name>/`` (the trainer's HF export), named to clients as
-``tinker://<model id>/weights/<name>`` and ``.../sampler_weights/<name>``.
+Places (``<state_dir>/models/<model id>/``): ``snapshots/``, ``weights/<name>/`` (the
+trainer's ``save_state`` in ``trainer/``, plus ``model.json``: base model, base path, LoRA
+shape, which a create-via-load reads back) and ``sampler_weights/<name>/`` (the trainer's HF
+export), named to clients as ``tinker://<model id>/weights/<name>`` and
+``.../sampler_weights/<name>``.
 """
 
 from __future__ import annotations

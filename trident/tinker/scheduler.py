@@ -1,5 +1,4 @@
-"""When each training request runs, and how a client waits for its result (tinker.md §5.4
-rule 3).
+"""When each training request runs, and how a client waits for its result.
 
 One ``ModelExecutor`` per model applies its requests strictly in ``seq = last + 1`` order: the
 SDK reserves seq ids in program order but POSTs a ``forward_backward``'s chunks concurrently,

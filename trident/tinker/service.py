@@ -1,5 +1,5 @@
 """The training service's state behind the HTTP layer: sessions, models, request futures, and
-the exactly-once rules that make a crash invisible to clients (tinker.md §5.4).
+the exactly-once rules that make a crash invisible to clients (issue #51).
 
 A training request is journaled (fsync) before ``submit`` returns its id (``journal``), then run
 by its model's executor strictly in seq order (``scheduler``). Its result is stored durably as
@@ -137,7 +137,7 @@ class TinkerService:
 
     def client_config(self) -> dict[str, Any]:
         """Flags for ``client/config``: the SDK's defaults (chunks posted concurrently, which
-        the executors reorder), with plain httpx for loopback robustness (tinker.md §5.2)."""
+        the executors reorder), with plain httpx for loopback robustness."""
         return {"use_pyqwest_transport": False, "parallel_fwdbwd_chunks": True}
 
     def create_session(self, body: dict[str, Any]) -> str:

@@ -1,9 +1,9 @@
 """A model's snapshots: ``<model dir>/snapshots/seq_<k>/`` is the trainer's ``save_state``
 (weights, Adam moments, RNG) after every request up to seq ``k`` ran, with a manifest
-``{"model_id", "last_seq", "optim_steps", "origin"}`` written last (tinker.md §5.4 rule 5); the
-origin (base model, base path, LoRA shape) rebuilds the trainer the state is loaded into, so a
-restored model needs nothing its first request named (saved weights it started from may be
-deleted once a snapshot exists).
+``{"model_id", "last_seq", "optim_steps", "origin"}`` written last. The origin (base model,
+base path, LoRA shape) rebuilds the trainer the state is loaded into, so a restored model needs
+nothing its first request named (saved weights it started from may be deleted once a snapshot
+exists).
 
 A snapshot is taken only right after an ``optim_step``, when no gradient is accumulated, so the
 trainer's saved state is all there is. Each snapshot has a new name, so the rename that makes it
