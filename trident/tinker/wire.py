@@ -108,6 +108,29 @@ class SampledOutput:
     topk: Sequence[Sequence[tuple[int, float]] | None] | None = None
 
 
+@dataclass(frozen=True)
+class SampleCall:
+    """A decoded ``asample`` request in trident's terms: the prompt's token ids and how to
+    sample them. ``stop`` is strings or token ids (the SDK sends either); ``top_k`` -1 is off;
+    the ``topk_*`` counts are 0 when not asked; ``prompt_logprobs_last_n`` None scores the whole
+    prompt."""
+
+    sampling_session_id: str
+    seq_id: int
+    num_samples: int
+    prompt_tokens: list[int]
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str] | list[int] | None
+    prompt_logprobs: bool
+    topk_prompt_logprobs: int
+    topk_sample_logprobs: int
+    prompt_logprobs_last_n: int | None
+
+
 # --- JSON bodies -------------------------------------------------------------------------------
 
 
@@ -175,14 +198,12 @@ def model_id_of(session_id: str, model_seq_id: int) -> str:
 def decode_call(
     kind: str, body: bytes, content_encoding: str | None = None, lora_alpha: float = 32.0
 ) -> Call:
-    """A training request's body, decoded into the ``Call`` the module's table describes."""
+    """A training request's body, decoded into the ``Call`` the module's table describes. The
+    service journals the decompressed body and replays it through this same function."""
+    body = decompress(body, content_encoding)
     if kind == "forward_backward":
-        fb = decode_forward_backward(body, content_encoding)
+        fb = decode_forward_backward(body)
         return Call(kind, fb.model_id, fb.seq_id, fb)
-    if content_encoding not in (None, "", "identity"):
-        raise WireError(
-            f"{kind}: Content-Encoding {content_encoding!r} is only read on forward_backward"
-        )
     if kind == "create_model":
         return _create_model(parse_json(sdk.CreateModelRequest, body), lora_alpha)
     if kind == "load_weights":
@@ -243,17 +264,58 @@ def _load_weights(req: sdk.LoadWeightsRequest) -> Call:
     raise WireError("load_weights: give session_id and model_seq_id, or model_id and seq_id")
 
 
+def decode_sample(body: bytes) -> SampleCall:
+    """An ``asample`` JSON body. Only session-bound requests are served (the SDK's
+    ``SamplingClient`` always sends one); image prompts and the prompt-scoring extras
+    (``target_prompt_logprobs``, ``prompt_alt_tokens_k``) are refused by name."""
+    req = parse_json(sdk.SampleRequest, body)
+    if req.sampling_session_id is None or req.seq_id is None:
+        raise WireError("asample: sampling_session_id and seq_id are required")
+    if req.target_prompt_logprobs is not None or req.prompt_alt_tokens_k:
+        raise WireError("asample: target_prompt_logprobs and prompt_alt_tokens_k are not served")
+    tokens: list[int] = []
+    for chunk in req.prompt.chunks:
+        if not isinstance(chunk, sdk.EncodedTextChunk):
+            raise WireError(f"asample: a {chunk.type} chunk; trident serves text models")
+        tokens.extend(chunk.tokens)
+    p = req.sampling_params
+    stop = [p.stop] if isinstance(p.stop, str) else (list(p.stop) if p.stop is not None else None)
+    return SampleCall(
+        sampling_session_id=req.sampling_session_id,
+        seq_id=req.seq_id,
+        num_samples=req.num_samples,
+        prompt_tokens=tokens,
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        seed=p.seed,
+        stop=stop,  # type: ignore[arg-type]  # homogeneous: the SDK's Union is str or int lists
+        prompt_logprobs=bool(req.prompt_logprobs),
+        topk_prompt_logprobs=req.topk_prompt_logprobs,
+        topk_sample_logprobs=req.topk_sample_logprobs,
+        prompt_logprobs_last_n=req.prompt_logprobs_last_n,
+    )
+
+
+def decompress(body: bytes, content_encoding: str | None) -> bytes:
+    """A request body as its payload: zstd is read (the SDK compresses ``forward_backward`` when
+    the server's ``client/config`` says ``proto_compress_fwdbwd``), no other coding is."""
+    if content_encoding in (None, "", "identity"):
+        return body
+    if content_encoding != "zstd":
+        raise WireError(f"unsupported Content-Encoding {content_encoding!r} (zstd is read)")
+    try:
+        return zstandard.ZstdDecompressor().decompressobj().decompress(body)
+    except zstandard.ZstdError as e:
+        raise WireError(f"not a zstd body ({e})") from None
+
+
 def decode_forward_backward(
     body: bytes, content_encoding: str | None = None
 ) -> ForwardBackwardCall:
     """A ``forward_backward`` protobuf body (zstd when ``content_encoding`` says so)."""
-    if content_encoding == "zstd":
-        try:
-            body = zstandard.ZstdDecompressor().decompressobj().decompress(body)
-        except zstandard.ZstdError as e:
-            raise WireError(f"forward_backward: not a zstd body ({e})") from None
-    elif content_encoding not in (None, "", "identity"):
-        raise WireError(f"forward_backward: unsupported Content-Encoding {content_encoding!r}")
+    body = decompress(body, content_encoding)
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
