@@ -1,6 +1,6 @@
-"""The Tinker API over HTTP: the endpoints SDK 0.38 and tinker-cookbook call
-(``shared/reference/tinker.md`` §5.2), each a thin route from the wire codec to the
-``TinkerService``; this module owns the status codes and nothing else.
+"""The Tinker API over HTTP: the endpoints SDK 0.38 and tinker-cookbook call (issue #51), each a
+thin route from the wire codec to the ``TinkerService``; this module owns the status codes and
+nothing else.
 
 How answers map onto what the SDK does with them (``tinker/lib/api_future_impl.py``,
 ``_base_client.py``):
@@ -22,9 +22,11 @@ How answers map onto what the SDK does with them (``tinker/lib/api_future_impl.p
 - auth: ``X-API-Key`` must be one of ``tinker.api_keys``, or with none listed start with
   ``tml-`` (as the SDK itself checks); otherwise 401. ``healthz`` is open;
 - every other path is a 404 that names it. ``client/dynamic_config`` is one on purpose (the SDK
-  reads 404 as "use the defaults"). The sampling routes (``create_sampling_session``,
-  ``samplers/{id}``, ``asample``) and checkpoint deletion call service methods of those names
-  when the service has them, and answer 404 "not served yet" when it does not.
+  reads 404 as "use the defaults"). The sampling routes and checkpoint deletion call these
+  service methods when the service has them, and answer 404 "not served yet" when it does not:
+  ``create_sampling_session(body) -> sampling_session_id``, ``sampler_info(id) -> {base_model,
+  model_path}``, ``async asample(wire.SampleCall) -> (request_id, sample_sequence_ids)`` (one id
+  per sample, as the SDK asserts) and ``delete_checkpoint(model_id, checkpoint_id)``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The Tinker wire codec: every byte the SDK (``tinker==0.38.*``, pinned) sends or receives passes
 through here, and nothing else in trident imports the SDK's types.
 
-What the SDK speaks (``docs``: ``shared/reference/tinker.md`` §1):
+What the SDK speaks (its ``proto/request_conv.py``, ``proto/response_conv.py`` and
+``resources/*.py``):
 
 - JSON bodies for every endpoint but one, parsed and answered through the SDK's own
   ``tinker.types`` pydantic models, so a field the pinned SDK renames fails here, loudly;
@@ -19,21 +20,16 @@ What the SDK speaks (``docs``: ``shared/reference/tinker.md`` §1):
 ``decode_call`` turns a training request into what the service journals and applies
 (``Call``: model id, seq id, decoded arguments), one rule per kind:
 
-======================== =========== ================================================
-kind                     seq_id      args
-======================== =========== ================================================
-create_model             0           ``{"base_model", "lora": LoraShape | None,
-                                     "user_metadata", "session_id", "model_seq_id"}``
-load_weights             0 (create-  ``{"path", "optimizer", "base_model",
-                         via-load)   "user_metadata"}``
-                         or the
-                         client's
-forward_backward         the client's ``ForwardBackwardCall``
-optim_step               the client's ``AdamParams``
-save_weights             the client's ``{"path", "ttl_seconds", "overwrite", "user_metadata"}``
-save_weights_for_sampler the client's ``{"path", "sampling_session_seq_id", "kind",
-                                     "ttl_seconds", "user_metadata"}``
-======================== =========== ================================================
+- ``create_model``: seq 0; ``{"base_model", "lora": LoraShape | None, "user_metadata",
+  "session_id", "model_seq_id"}``;
+- ``load_weights``: seq 0 when it creates the model (``session_id`` + ``model_seq_id``), else the
+  client's; ``{"path", "optimizer", "base_model", "user_metadata"}``;
+- ``forward_backward``: a ``ForwardBackwardCall``; ``optim_step``: trident's ``AdamParams``;
+- ``save_weights``: ``{"path", "ttl_seconds", "overwrite", "user_metadata"}``;
+- ``save_weights_for_sampler``: ``{"path", "sampling_session_seq_id", "kind", "ttl_seconds",
+  "user_metadata"}`` (no path: a push to the samplers, answered with a sampling session id).
+
+Every call on an existing model carries the client's seq id (1, 2, ...).
 
 A new model's id is ``f"{session_id}:train:{model_seq_id}"``, the SDK's own derivation
 (``service_client.py``), for ``create_model`` and create-via-load alike. ``lora`` is None for full
@@ -214,7 +210,12 @@ def decode_call(
             raise WireError(f"optim_step: only Adam is served, not {req.optim_params.type!r}")
         p = req.optim_params
         adam = AdamParams(
-            p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm
+            learning_rate=p.learning_rate,
+            beta1=p.beta1,
+            beta2=p.beta2,
+            eps=p.eps,
+            weight_decay=p.weight_decay,
+            grad_clip_norm=p.grad_clip_norm,
         )
         return Call(kind, req.model_id, _seq(kind, req.seq_id), adam)
     if kind == "save_weights":
