@@ -18,7 +18,10 @@ import tinker
 import torch
 import uvicorn
 from tinker import types as sdk
-from tinker.proto.response_conv import deserialize_forward_backward_output
+from tinker.proto.response_conv import (
+    deserialize_forward_backward_output,
+    deserialize_sample_response,
+)
 
 from trident.config.tinker import TinkerConfig
 from trident.tinker import wire
@@ -217,12 +220,17 @@ async def _results_errors_and_routes_not_served():
         "forward_backward", ([{"logprobs": torch.tensor([-1.0, -2.0])}], {"loss:sum": 3.0})
     )
     service.results["bad"] = Result("error", {"error": "no such loss", "category": "user"})
+    sampled = [wire.SampledOutput([5, 6], [-0.5, -0.25], "stop")]
+    service.results["smp"] = Result("sample", (sampled, [None, -1.5], None))
     async with _client(service) as c:
         proto = {**KEY, "Accept": wire.PROTO_CONTENT_TYPE}
         r = await c.post("/retrieve_future", json={"request_id": "fb"}, headers=proto)
         assert r.headers["content-type"] == wire.PROTO_CONTENT_TYPE
         out = deserialize_forward_backward_output(r.content)
         assert out.loss_fn_outputs[0]["logprobs"].tolist() == [-1.0, -2.0]
+        sample = await c.post("/retrieve_future", json={"request_id": "smp"}, headers=proto)
+        decoded = deserialize_sample_response(sample.content)
+        assert decoded.sequences[0].tokens == [5, 6] and decoded.prompt_logprobs == [None, -1.5]
         as_json = (await c.post("/retrieve_future", json={"request_id": "fb"}, headers=KEY)).json()
         assert as_json["metrics"] == {"loss:sum": 3.0}
         failed = await c.post("/retrieve_future", json={"request_id": "bad"}, headers=KEY)
