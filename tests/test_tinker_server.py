@@ -93,6 +93,8 @@ class StandIn:
             return Result("forward_backward", (outputs, {"loss:sum": float(len(outputs))}))
         if op.kind == "optim_step":
             return Result("json", {"metrics": {"grad_norm": op.args.learning_rate}})
+        if op.kind == "save_weights_for_sampler" and op.args["path"] is None:
+            return Result("json", {"sampling_session_id": f"{op.model_id}:sample:{op.seq_id}"})
         raise ValueError(op.kind)
 
     async def result(self, request_id: str, timeout_s: float) -> Result | None:
@@ -107,6 +109,23 @@ class StandIn:
 
     def model_info(self, model_id: str) -> dict:
         return self.models[model_id]
+
+
+class SamplingStandIn(StandIn):
+    """With the sampling methods the integrator adds: sample ``i`` is ``[last prompt token, i]``,
+    each token at logprob -0.5; prompt logprobs ``-token/10`` (none at position 0)."""
+
+    async def asample(self, call: wire.SampleCall) -> tuple[str, list[str]]:
+        request_id = f"{call.sampling_session_id}#{call.seq_id}"
+        sequences = [
+            wire.SampledOutput([call.prompt_tokens[-1], i], [-0.5, -0.5], "length")
+            for i in range(call.num_samples)
+        ]
+        prompt = [None] + [-t / 10 for t in call.prompt_tokens[1:]]
+        self.results[request_id] = Result(
+            "sample", (sequences, prompt if call.prompt_logprobs else None, None)
+        )
+        return request_id, [f"{request_id}/{i}" for i in range(call.num_samples)]
 
 
 def _client(service, **cfg) -> httpx.AsyncClient:
@@ -278,7 +297,7 @@ def test_sample_request_decodes_from_the_sdk_model():
 def served():
     """The app under uvicorn on a free loopback port, with the SDK asked to compress its
     forward_backward bodies and to split them one datum per request."""
-    service = StandIn({"proto_compress_fwdbwd": True, "fwdbwd_max_chunk_len": 1})
+    service = SamplingStandIn({"proto_compress_fwdbwd": True, "fwdbwd_max_chunk_len": 1})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -311,6 +330,16 @@ def test_the_real_sdk_trains_through_the_app(served, monkeypatch):
         step = trainer.optim_step(sdk.AdamParams(learning_rate=0.125)).result()
         with pytest.raises(tinker.RequestFailedError, match="stable_reinforce is not defined"):
             trainer.forward_backward(data[:1], "stable_reinforce").result()
+        sampler = trainer.save_weights_and_get_sampling_client().result()
+        prompt = sdk.ModelInput.from_ints([3, 4, 5])
+        params = sdk.SamplingParams(max_tokens=2, stop=["\n"], temperature=1.0)
+        samples = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
+        prompt_logprobs = sampler.compute_logprobs(prompt).result()
+    assert [s.tokens for s in samples.sequences] == [[5, 0], [5, 1]]
+    assert [s.logprobs for s in samples.sequences] == [[-0.5, -0.5]] * 2
+    assert [s.stop_reason for s in samples.sequences] == ["length"] * 2
+    assert samples.sequences[1].sequence_id.endswith("/1")  # the ids asample's future carried
+    assert prompt_logprobs == [None, pytest.approx(-0.4), pytest.approx(-0.5)]
     # Three chunks, zstd bodies: the SDK posts chunks 2 and 3 together, then 1 (the server
     # orders by seq_id), then the step (seq 4). The outputs come back in datum order.
     arrivals = [(op.kind, op.seq_id) for op in service.ops]
