@@ -170,6 +170,9 @@ async def _handshake_and_auth():
         assert (await c.post("/create_session", json=session, headers=KEY)).status_code == 401
         ok = await c.post("/create_session", json=session, headers={"X-API-Key": "tml-only-this"})
         assert ok.status_code == 200
+    async with _client(StandIn(), models={"Qwen/Qwen3-8B-Base": "/models/tiny"}) as c:
+        served = (await c.get("/get_server_capabilities", headers=KEY)).json()["supported_models"]
+        assert [m["model_name"] for m in served] == ["Qwen/Qwen3-8B-Base"]
 
 
 def test_training_calls_and_futures_map_onto_status_codes():
