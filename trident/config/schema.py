@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from trident.config.algo import AlgoConfig
+from trident.config.tinker import TinkerConfig
 
 
 class Section(BaseModel):
@@ -620,6 +621,7 @@ class TridentConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    tinker: TinkerConfig = Field(default_factory=TinkerConfig)
 
     @computed_field
     @property
