@@ -146,6 +146,10 @@ def test_returned_logprobs_are_the_models_token_logprobs(tiny_model):
 def test_lora_trains_the_adapters_alone_and_rank_zero_trains_everything(tiny_model):
     data = sft_datums(sequences())
     lora = make_model(tiny_model, LoraShape(rank=4, alpha=8.0, train_mlp=False))
+    # the adapters start from the seed: a model made again (a replayed create) is the same
+    assert_bitwise(
+        weights(make_model(tiny_model, LoraShape(4, 8.0, train_mlp=False))), weights(lora)
+    )
     trained = {n for n, p in lora.model.named_parameters() if p.requires_grad}
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
     adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained}
@@ -167,9 +171,10 @@ def test_lora_trains_the_adapters_alone_and_rank_zero_trains_everything(tiny_mod
     assert all(not torch.equal(before[n], after[n]) for n in before)
 
 
-def test_save_load_then_a_step_equals_no_save_bitwise(tiny_model, tmp_path, deterministic):
+@pytest.mark.parametrize("rank", [4, 0], ids=["lora", "full"])
+def test_save_load_then_a_step_equals_no_save_bitwise(tiny_model, tmp_path, deterministic, rank):
     data = [rl_datums(sequences(seed=s), seed=s) for s in range(4)]
-    shape = LoraShape(rank=4, alpha=8.0)
+    shape = LoraShape(rank=rank, alpha=8.0)
 
     def step(model: TinkerModel, k: int) -> None:
         model.forward_backward(data[k], "importance_sampling", {}, forward_only=False)

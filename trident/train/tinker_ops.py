@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -56,6 +57,8 @@ from trident.train.recompute import even_micro_batches, token_logprobs
 Outputs = tuple[list[dict[str, torch.Tensor]], dict[str, float]]
 T = TypeVar("T")
 
+# one model built at a time in a process, so two trainers' threads cannot interleave draws
+_BUILDING = threading.Lock()
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -127,18 +130,19 @@ class TinkerModel:
         fsdp.init_distributed(rank, world, master_addr, master_port)
         fsdp.set_cpu_threads(cfg.trainer.cpu_threads, sharing=world)
         self.rank, self.world = rank, world
-        torch.manual_seed(cfg.run.seed)
         if cfg.run.deterministic:
             fsdp.deterministic_kernels()
         self.cfg, self.device = cfg, fsdp.device()
         self.tokenizer = load_tokenizer(base_path)
-        model = load_causal_lm(base_path, fsdp.MASTER_DTYPE, self.device)
-        self.vocab = int(model.config.vocab_size)  # the embedding's rows
-        tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        model = fsdp.checkpoint_activations(model, cfg.trainer.activation_checkpointing)
-        adapters = lora_config(shape, tied) if shape is not None else None
-        if adapters is not None:  # the adapters train, the base weights are frozen
-            model = lora.wrap(model, adapters)
+        with _BUILDING:  # the adapters' initial values come from the seeded (global) RNG
+            torch.manual_seed(cfg.run.seed)
+            model = load_causal_lm(base_path, fsdp.MASTER_DTYPE, self.device)
+            self.vocab = int(model.config.vocab_size)  # the embedding's rows
+            tied = bool(getattr(model.config, "tie_word_embeddings", False))
+            model = fsdp.checkpoint_activations(model, cfg.trainer.activation_checkpointing)
+            adapters = lora_config(shape, tied) if shape is not None else None
+            if adapters is not None:  # the adapters train, the base weights are frozen
+                model = lora.wrap(model, adapters)
         self.model = fsdp.shard(model, cfg.model.dtype)
         self.opt = self._new_optimizer()
 
