@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -263,6 +264,13 @@ class TinkerModel:
 
     def save_hf(self, out_dir: str) -> str:
         return str(lora.save_hf(self.model, self.tokenizer, out_dir))
+
+    def pid(self) -> int:
+        """This rank's process (a Ray group names it when the rank dies)."""
+        return os.getpid()
+
+    def release(self) -> None:
+        """Nothing outside the process to delete before a Ray group kills the rank."""
 
 
 def _check_datum(i: int, datum: Datum, needed: Sequence[str], vocab: int) -> None:
