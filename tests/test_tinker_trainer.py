@@ -146,6 +146,10 @@ def test_returned_logprobs_are_the_models_token_logprobs(tiny_model):
 def test_lora_trains_the_adapters_alone_and_rank_zero_trains_everything(tiny_model):
     data = sft_datums(sequences())
     lora = make_model(tiny_model, LoraShape(rank=4, alpha=8.0, train_mlp=False))
+    # the adapters start from the seed: a model made again (a replayed create) is the same
+    assert_bitwise(
+        weights(make_model(tiny_model, LoraShape(4, 8.0, train_mlp=False))), weights(lora)
+    )
     trained = {n for n, p in lora.model.named_parameters() if p.requires_grad}
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
     adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained}
@@ -167,9 +171,10 @@ def test_lora_trains_the_adapters_alone_and_rank_zero_trains_everything(tiny_mod
     assert all(not torch.equal(before[n], after[n]) for n in before)
 
 
-def test_save_load_then_a_step_equals_no_save_bitwise(tiny_model, tmp_path, deterministic):
+@pytest.mark.parametrize("rank", [4, 0], ids=["lora", "full"])
+def test_save_load_then_a_step_equals_no_save_bitwise(tiny_model, tmp_path, deterministic, rank):
     data = [rl_datums(sequences(seed=s), seed=s) for s in range(4)]
-    shape = LoraShape(rank=4, alpha=8.0)
+    shape = LoraShape(rank=rank, alpha=8.0)
 
     def step(model: TinkerModel, k: int) -> None:
         model.forward_backward(data[k], "importance_sampling", {}, forward_only=False)
@@ -255,3 +260,45 @@ def test_save_hf_exports_the_lora_model_merged(tiny_model, tmp_path):
     for t, e, b in zip(trained, exported, base, strict=True):
         torch.testing.assert_close(e["logprobs"], t["logprobs"], rtol=1e-5, atol=1e-5)
         assert not torch.equal(b["logprobs"], t["logprobs"])  # the step moved them
+
+
+def _rank(rank: int, path: str, port: int, out: str) -> None:
+    """One of two FSDP2 ranks: calls of 5, 2 and 1 datums (rank 1 scores none of the last: a
+    zero-weight pass keeps the collectives in step), one step; rank 0 saves what it saw."""
+    import torch.distributed as dist
+
+    from trident.weights.tensors import full_tensor
+
+    torch.set_num_threads(1)
+    cfg = load_config([], [*SETTINGS, f"model.path={path}"])
+    model = TinkerModel(path, None, cfg, rank, 2, "127.0.0.1", port)
+    data = rl_datums(sequences(8))
+    calls = [model.forward_backward(data[a:b], "ppo", {}, False) for a, b in ((0, 5), (5, 7))]
+    calls.append(model.forward_backward(data[7:], "ppo", {}, False))
+    step = model.optim_step(ADAM)
+    whole = {n: full_tensor(t) for n, t in model.model.state_dict().items()}  # collective
+    dist.destroy_process_group()
+    if rank == 0:
+        torch.save({"calls": calls, "step": step, "weights": whole}, out)
+
+
+def test_two_ranks_train_as_one(tiny_model, tmp_path):
+    """Each rank scores every other datum and the outputs come back whole on each; the
+    gradients are the sum over both ranks' datums, so the step is one rank's."""
+    from torch.multiprocessing.spawn import start_processes
+
+    from trident.cluster.net import free_port
+
+    out = tmp_path / "two.pt"
+    start_processes(_rank, args=(tiny_model, free_port(), str(out)), nprocs=2, start_method="spawn")
+    two = torch.load(out)
+    one = make_model(tiny_model)
+    data = rl_datums(sequences(8))
+    for (a, b), (outputs, metrics) in zip(((0, 5), (5, 7), (7, 8)), two["calls"], strict=True):
+        expected, expected_metrics = one.forward_backward(data[a:b], "ppo", {}, False)
+        assert metrics["loss:sum"] == pytest.approx(expected_metrics["loss:sum"], rel=1e-5)
+        for got, want in zip(outputs, expected, strict=True):
+            torch.testing.assert_close(got["logprobs"], want["logprobs"])
+    assert two["step"]["grad_norm"] == pytest.approx(one.optim_step(ADAM)["grad_norm"], rel=1e-4)
+    for name, w in weights(one).items():  # a tenth of one step (lr 1e-2), as above
+        torch.testing.assert_close(two["weights"][name], w, rtol=0, atol=1e-3, msg=name)

@@ -72,11 +72,20 @@ def _rendezvous(plan: Plan) -> tuple[str, int]:
 
 
 class TrainerGroup(AbstractContextManager):
-    def __init__(self, cfg: TridentConfig, plan: Plan | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TridentConfig,
+        plan: Plan | None = None,
+        worker: type = PolicyWorker,
+        worker_args: tuple = (),
+    ) -> None:
         """``plan``: where the ranks run (``trident.cluster.placement``); by default each asks
-        for its share of a device of the cluster, outside any placement group."""
+        for its share of a device of the cluster, outside any placement group. ``worker``: the
+        rank's class, made as ``worker(*worker_args, cfg, rank, world, master_addr,
+        master_port)`` (another than ``PolicyWorker``: driven through :meth:`call`)."""
         self.cfg = cfg
         self.plan = plan
+        self.worker, self.worker_args = worker, worker_args
         self.workers: list[Any] = []  # ray actor handles of PolicyWorker
         self.pids: dict[str, int] = {}  # rank -> process id (for stack dumps)
 
@@ -92,7 +101,7 @@ class TrainerGroup(AbstractContextManager):
         plan = self.plan = self.plan or make_plan(
             c.placement, n, 0, ray.cluster_resources(), c.role_resources
         )
-        actor_cls = ray.remote(PolicyWorker)
+        actor_cls = ray.remote(self.worker)
         addr, port = _rendezvous(plan)
         options = [plan.actor_options("trainer", rank) for rank in range(n)]
         if plan.mode == "cpu" and not c.address and (env := jemalloc_env(self.cfg.model.path)):
@@ -100,7 +109,9 @@ class TrainerGroup(AbstractContextManager):
             # rank's start, which the servers' start hides)
             options = [o | {"runtime_env": {"env_vars": env}} for o in options]
         self.workers = [
-            actor_cls.options(**options[rank]).remote(self.cfg, rank, n, addr, port)
+            actor_cls.options(**options[rank]).remote(
+                *self.worker_args, self.cfg, rank, n, addr, port
+            )
             for rank in range(n)
         ]
 
@@ -142,6 +153,11 @@ class TrainerGroup(AbstractContextManager):
             pid = self.pids.get(f"trainer_rank{rank}", "?")
             raise rank_error(method, rank, pid, e) from None
         return results[0]
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """``worker.method(*args)`` on every rank, rank 0's result, for a ``worker`` other
+        than ``PolicyWorker`` (a dead rank is named at once, as for every call here)."""
+        return await self._all(method, *args)
 
     async def connect(
         self, urls: list[str], backend: str, nodes: Mapping[str, str] | None = None

@@ -2,7 +2,8 @@
 ``optim_step``, ``save_state``/``load_state``), beside :class:`~trident.train.policy.
 PolicyWorker` rather than inside its ``train_step``: the caller's loop decides what a step is.
 
-One :class:`TinkerModel` is one trained model on this rank, built from the policy's own parts:
+One :class:`TinkerModel` is one trained model on one of ``world`` FSDP2 ranks (each given the
+same calls; a rank scores every ``world``-th datum), built from the policy's own parts:
 ``load_causal_lm`` in float32 master weights, LoRA by :func:`trident.train.lora.wrap` (rank 0:
 full fine-tuning), FSDP2 by ``fsdp.shard`` in ``model.dtype``, AdamW by ``fsdp.adamw``,
 logprobs by ``token_logprobs`` (vocabulary chunks, temperature 1.0), checkpoints by
@@ -24,35 +25,41 @@ logprobs by ``token_logprobs`` (vocabulary chunks, temperature 1.0), checkpoints
 
 :class:`LocalTrainer` is the async :class:`Trainer` over one in-process model (world size 1,
 an in-memory process group): every call runs in one worker thread, in the order the calls are
-made, so the event loop stays free. Simplifications: one rank (an N-rank group over Ray actors
-is not written yet); on a model whose embeddings are tied, ``train_unembed`` puts no adapter on
-``lm_head`` (the head is the embedding matrix, and an HF export or a vLLM load would tie the
-delta away).
+made, so the event loop stays free.
+
+Simplifications: N ranks are N processes' :class:`TinkerModel`, but no Ray group drives them
+yet; on a model whose embeddings are tied, ``train_unembed`` puts no adapter on ``lm_head``
+(the head is the embedding matrix, and an HF export or a vLLM load would tie the delta away).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from trident.algorithms.tinker_losses import check_loss, required_inputs, tinker_loss
 from trident.config import TridentConfig
 from trident.config.schema import LoraConfig
 from trident.models.load import load_causal_lm, load_tokenizer
 from trident.train import fsdp, lora
-from trident.train.batch import Batch, micro_batches
+from trident.train.batch import Batch
 from trident.train.datum import AdamParams, Datum, LoraShape
-from trident.train.recompute import token_logprobs
+from trident.train.recompute import even_micro_batches, token_logprobs
 
 Outputs = tuple[list[dict[str, torch.Tensor]], dict[str, float]]
 T = TypeVar("T")
 
+# one model built at a time in a process, so two trainers' threads cannot interleave draws
+_BUILDING = threading.Lock()
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -110,21 +117,33 @@ def lora_config(shape: LoraShape, tied: bool) -> LoraConfig | None:
 class TinkerModel:
     """One trained model on this rank; blocking calls (:class:`LocalTrainer` runs them)."""
 
-    def __init__(self, base_path: str, shape: LoraShape | None, cfg: TridentConfig) -> None:
-        fsdp.init_distributed(0, 1, "127.0.0.1", 0)  # one rank: an in-memory store, no port
-        fsdp.set_cpu_threads(cfg.trainer.cpu_threads)
-        torch.manual_seed(cfg.run.seed)
+    def __init__(
+        self,
+        base_path: str,
+        shape: LoraShape | None,
+        cfg: TridentConfig,
+        rank: int = 0,
+        world: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+    ) -> None:
+        """Rank ``rank`` of ``world`` (one rank: an in-memory process group, no port)."""
+        fsdp.init_distributed(rank, world, master_addr, master_port)
+        fsdp.set_cpu_threads(cfg.trainer.cpu_threads, sharing=world)
+        self.rank, self.world = rank, world
         if cfg.run.deterministic:
             fsdp.deterministic_kernels()
         self.cfg, self.device = cfg, fsdp.device()
         self.tokenizer = load_tokenizer(base_path)
-        model = load_causal_lm(base_path, fsdp.MASTER_DTYPE, self.device)
-        self.vocab = int(model.config.vocab_size)  # the embedding's rows
-        tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        model = fsdp.checkpoint_activations(model, cfg.trainer.activation_checkpointing)
-        adapters = lora_config(shape, tied) if shape is not None else None
-        if adapters is not None:  # the adapters train, the base weights are frozen
-            model = lora.wrap(model, adapters)
+        with _BUILDING:  # the adapters' initial values come from the seeded (global) RNG
+            torch.manual_seed(cfg.run.seed)
+            model = load_causal_lm(base_path, fsdp.MASTER_DTYPE, self.device)
+            self.vocab = int(model.config.vocab_size)  # the embedding's rows
+            tied = bool(getattr(model.config, "tie_word_embeddings", False))
+            model = fsdp.checkpoint_activations(model, cfg.trainer.activation_checkpointing)
+            adapters = lora_config(shape, tied) if shape is not None else None
+            if adapters is not None:  # the adapters train, the base weights are frozen
+                model = lora.wrap(model, adapters)
         self.model = fsdp.shard(model, cfg.model.dtype)
         self.opt = self._new_optimizer()
 
@@ -139,30 +158,59 @@ class TinkerModel:
         loss_fn_config: dict[str, float],
         forward_only: bool,
     ) -> Outputs:
+        """Every rank is given the same ``data``, scores ``data[rank::world]`` and returns the
+        outputs of all (collective)."""
         check_loss(loss_fn, loss_fn_config)
         needed = required_inputs(loss_fn)
         for i, datum in enumerate(data):
             _check_datum(i, datum, needed, self.vocab)
-        outputs: list[dict[str, torch.Tensor]] = [{} for _ in data]
-        lengths = [len(d.input_tokens) for d in data]
+        mine = list(range(self.rank, len(data), self.world))
+        lengths = [len(data[i].input_tokens) for i in mine]
+        budget = self.cfg.trainer.micro_batch_tokens
+        local: dict[int, dict[str, torch.Tensor]] = {}
         with torch.no_grad() if forward_only else nullcontext():
-            for rows in micro_batches(lengths, self.cfg.trainer.micro_batch_tokens):
-                logp = self._logprobs([data[i] for i in rows])
-                total = logp.new_zeros(())
-                for k, i in enumerate(rows):
-                    mine = logp[k, : lengths[i]]
-                    loss = tinker_loss(loss_fn, mine, data[i].loss_inputs, loss_fn_config)
-                    total = total + loss.sum()
-                    outputs[i] = {
-                        "logprobs": mine.detach().float().cpu(),
-                        "elementwise_loss": loss.detach().float().cpu(),
-                    }
+            for part in even_micro_batches(lengths, budget, self.world, self.device):
+                # None: a zero-weight pass (on datum 0) that keeps the FSDP collectives in step
+                rows = [0] if part is None else [mine[k] for k in part]
+                total = self._pass(data, rows, loss_fn, loss_fn_config)
+                if part is not None:
+                    local.update(total[1])
                 if not forward_only:
-                    total.backward()
+                    # FSDP averages the ranks' gradients; each rank's loss is its share of a sum
+                    (total[0] * (0.0 if part is None else self.world)).backward()
         if forward_only:
             fsdp.reshard(self.model)  # no backward pass did it
+        outputs = self._gathered(local, len(data))
         loss_sum = math.fsum(float(o["elementwise_loss"].double().sum()) for o in outputs)
         return outputs, {"loss:sum": loss_sum}
+
+    def _pass(
+        self, data: Sequence[Datum], rows: list[int], loss_fn: str, config: dict[str, float]
+    ) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
+        """One micro-batch: the loss of ``rows`` (summed) and each row's outputs."""
+        logp = self._logprobs([data[i] for i in rows])
+        total = logp.new_zeros(())
+        outputs = {}
+        for k, i in enumerate(rows):
+            mine = logp[k, : len(data[i].input_tokens)]
+            loss = tinker_loss(loss_fn, mine, data[i].loss_inputs, config)
+            total = total + loss.sum()
+            outputs[i] = {
+                "logprobs": mine.detach().float().cpu(),
+                "elementwise_loss": loss.detach().float().cpu(),
+            }
+        return total, outputs
+
+    def _gathered(
+        self, local: dict[int, dict[str, torch.Tensor]], n: int
+    ) -> list[dict[str, torch.Tensor]]:
+        """Every rank's outputs, in datum order (collective when ``world`` > 1)."""
+        parts: list[Any] = [local]
+        if self.world > 1:
+            parts = [None] * self.world
+            dist.all_gather_object(parts, local)
+        merged = {i: out for part in parts for i, out in part.items()}
+        return [merged[i] for i in range(n)]
 
     def _logprobs(self, data: list[Datum]) -> torch.Tensor:
         """[b, W] logprobs of each datum's targets, right-padded to the longest."""
@@ -216,6 +264,13 @@ class TinkerModel:
 
     def save_hf(self, out_dir: str) -> str:
         return str(lora.save_hf(self.model, self.tokenizer, out_dir))
+
+    def pid(self) -> int:
+        """This rank's process (a Ray group names it when the rank dies)."""
+        return os.getpid()
+
+    def release(self) -> None:
+        """Nothing outside the process to delete before a Ray group kills the rank."""
 
 
 def _check_datum(i: int, datum: Datum, needed: Sequence[str], vocab: int) -> None:
