@@ -8,7 +8,8 @@ peak measured in the same call.
 Per shape, each case builds a fresh worker from the same random-init checkpoint and runs one
 warm-up step and three timed ones (the median is reported): trident padded, packed, shared
 prompts, packed + activation checkpointing, LoRA r16 (packed), padded with
-``run.deterministic=true`` (pass/fail), and the floor padded and packed on the same
+``run.deterministic=true`` (pass/fail: torch's deterministic mode on CUDA raises unless
+``CUBLAS_WORKSPACE_CONFIG`` is set, which trident does), and the floor padded and packed on the same
 micro-batches (``trainer_check_parts.floor_step``). Per case: step seconds, tokens/s, peak memory,
 MFU and HFU (FLOPs as ``trainer_check_parts`` counts them), the first step's loss and gradient
 norm (the same weights and batch in every case: trident's cases agree on both within bf16
@@ -44,10 +45,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Before the first cuBLAS call of this process (the matmul peak): the deterministic case turns
-# torch's deterministic mode on, which needs cuBLAS's fixed workspace (trident's own setting,
-# ``train/policy.py``, comes after this process's first matmul here).
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # per-file loading bars, per case
 
 import torch  # noqa: E402
@@ -179,11 +176,13 @@ def trident_case(shape: Shape, overrides: list[str], peak: float) -> dict[str, A
         worker = shape.worker(overrides)
         timing = parts.timed_steps(lambda: worker.train_step(shape.samples), shape.device)
     finally:
-        if "run.deterministic=true" in overrides:
-            torch.use_deterministic_algorithms(False)  # the process's later cases
+        if "run.deterministic=true" in overrides:  # the process's later cases run without it
+            torch.use_deterministic_algorithms(False)
     shared = "trainer.share_prompts=true" in overrides
     padded = "trainer.packing=false" in overrides and not shared
     row = _figures(shape, timing, shape.flops(overrides, padded), peak)
+    if "run.deterministic=true" in overrides:  # trident sets it (train/policy.py), not this script
+        row["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if shared:  # FLOPs are counted on every token, as for the others
         row["note"] = (
             f"each prompt runs once per group: {shape.rollouts['shared_prompt_share']:.0%} of "

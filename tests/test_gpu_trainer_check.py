@@ -40,6 +40,9 @@ def test_the_smoke_run_measures_every_case_and_the_round_trip_is_bit_equal(tmp_p
             assert math.isfinite(row[figure]) and row[figure] != 0, (key, figure, row[figure])
     agreeing = [row for row in cases.values() if not row["case"].startswith("LoRA")]
     assert all(row["agrees"] is True for row in agreeing)
+    # run.deterministic set cuBLAS's fixed workspace, which CUDA's deterministic mode requires
+    deterministic = cases[(first, "padded, run.deterministic")]
+    assert deterministic["cublas_workspace_config"] in (":4096:8", ":16:8")
     assert result["matmul_peak"]["tflops"] > 0
     once = result["once"]
     assert once["round_trip"]["params_bit_equal"] and once["round_trip"]["moments_bit_equal"]
