@@ -51,6 +51,12 @@ class StandIn:
         self.pending: set[str] = set()
         self.expired: set[str] = set()
 
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
     def client_config(self) -> dict:
         return self.flags
 
