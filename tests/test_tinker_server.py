@@ -3,7 +3,7 @@ client against it under uvicorn on 127.0.0.1.
 
 The service behind it here is ``StandIn``: the ``TinkerService`` interface answered from memory,
 so that every status code can be provoked (a conflict, an expired or pending future, a failed
-request). The end-to-end test against the journaled service itself belongs with that service.
+request). ``test_tinker_sdk.py`` runs the SDK against the journaled service and real trainer.
 """
 
 import asyncio
