@@ -270,9 +270,11 @@ def once_on(shape: Shape, worker: PolicyWorker, overrides: list[str]) -> dict:
     """The weight stream to shared memory, the IPC stand-in and the checkpoint round trip, each
     a finding of its own if it fails."""
     out: dict[str, Any] = {"shape": shape.name}
+    # the head goes out as the embedding when tied (as WeightSender sends it)
+    tied = bool(getattr(worker.model.config, "tie_word_embeddings", False))
     measures = {
-        "stream": lambda: parts.weight_stream(worker.model, worker.tied, torch.bfloat16),
-        "ipc": lambda: parts.ipc_round_trip(worker.model, worker.tied, torch.bfloat16),
+        "stream": lambda: parts.weight_stream(worker.model, tied, torch.bfloat16),
+        "ipc": lambda: parts.ipc_round_trip(worker.model, tied, torch.bfloat16),
         "round_trip": lambda: round_trip(shape, worker, overrides),
     }
     for key, measure in measures.items():
