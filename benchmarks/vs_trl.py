@@ -35,7 +35,7 @@ TRL gets the prompts already rendered by trident's chat template (so the tokens 
 and trident's own reward functions; on a CPU box it generates with HF ``generate`` (TRL's vLLM
 path needs CUDA) and uses every core for one process, as its users run it there. On a GPU box
 (``torch.cuda.is_available()``) both sides take one GPU in bf16: trident colocated (trainer and
-engine share the device, NCCL sync, as ``scripts/gpu_check``), TRL with its vLLM colocate mode,
+engine share the device, with ``TRIDENT_GPU``'s settings), TRL with its vLLM colocate mode,
 each engine at 40% of the GPU's memory.
 
 Each side runs as its own process, timed from its launch:
@@ -52,11 +52,13 @@ Each side runs as its own process, timed from its launch:
   the rest of the loop; inside train, the logprob recompute, the optimizer steps and the rest
   (the batch's transfer to the rank, collation, metrics); inside weight sync, write + update,
   the probe verification and the rest (draining requests, health check, prefix-cache reset);
-- the train stage's floor: the same token grids trained in plain PyTorch (``train_floor``), in
-  this process (the system allocator) and, on a CPU, again under jemalloc as trident's ranks run
-  (``train_floor_jemalloc``), each interleaved step by step with trident's rank code
-  (``PolicyWorker.train_step``) on the same lengths: trident's own overhead is its rank code over
-  the floor beside it (under jemalloc, as its ranks run);
+- the train stage's naive, TRL-equivalent floor: every sample's padded row of trident's run
+  trained in plain PyTorch (``train_floor``), in this process (the system allocator) and, on a
+  CPU, again under jemalloc as trident's ranks run (``train_floor_jemalloc``), each interleaved
+  step by step with trident's rank code (``PolicyWorker.train_step``) on the same lengths. It
+  does not measure trident's overhead: it does work trident skips (rows whose advantages are 0,
+  every copy of a shared prompt, π_old recomputed where trident takes the engine's), so trident's
+  rank code over it counts the work removed as well as any overhead;
 - TRL's split (mean per step after the first ``WARMUP``): generation + scoring
   (``_generate_and_score_completions``) vs the rest;
 - **held-out accuracy**: greedy answers on the 200 test prompts scored by trident's verifier,
@@ -107,7 +109,7 @@ WARMUP = 3  # steps left out of the stage means and the floor (allocator warm-up
 GPU = torch.cuda.is_available()
 # trident on one GPU: the settings of scripts/gpu_check (bf16 leaves the probe a wider tolerance).
 TRIDENT_GPU = [
-    "model.dtype=bfloat16", "cluster.placement=colocated", "sync.backend=nccl",
+    "model.dtype=bfloat16", "cluster.placement=colocated", "sync.backend=auto",
     "rollout.gpu_memory_utilization=0.4", "sync.tolerance=0.1",
 ]  # fmt: skip
 
@@ -312,20 +314,22 @@ def run_trident(model: str, work: Path, r: dict[str, Any]) -> dict[str, Any]:
 
 
 def train_floor(model: str, run_dir: Path, r: dict[str, Any]) -> dict[str, float]:
-    """What the train stage costs in plain PyTorch, on this host, for the token grids trident's
-    run trained (rebuilt from its sample log: each row's prompt tokens + response tokens, the
+    """What the train stage costs in plain PyTorch, on this host, for every sample's padded row of
+    trident's run, as TRL trains them (rebuilt from its sample log: each row's prompt tokens + response tokens, the
     recipe's mini-batches ``samples[k::M]``, each split into micro-batches as trident's trainer
     splits it, ``micro_batches`` by ``trainer.micro_batch_tokens``): the no-grad forward of the
     mini-batches after the first (their pre-step logprobs), then per mini-batch the forward and
     backward of each micro-batch and one (fused) AdamW step, with the loss -Σ A·logp / tokens; in a
     bfloat16 recipe, float32 weights under ``torch.autocast``. One process, no FSDP, no ratio,
-    clipping or metrics: a floor any trainer of this model pays for these token grids. Median
-    over the run's steps after the first ``WARMUP``.
+    clipping or metrics: a naive floor for TRL-equivalent work, not for trident's, which skips
+    rows whose advantages are 0, runs each shared prompt once and takes π_old from the engine.
+    Median over the run's steps after the first ``WARMUP``.
 
     Interleaved with it, step by step in this process: trident's own rank code on the same
     lengths and rewards (``PolicyWorker.train_step``, one rank, FSDP2, the recipe's settings;
-    random token ids), whose median over the floor's is trident's overhead free of the host's
-    drift between runs (±10-30% over minutes on the 2-core hosts measured)."""
+    random token ids), whose median over the floor's compares the two free of the host's drift
+    between runs (±10-30% over minutes on the 2-core hosts measured); since the floor does more
+    work, that ratio is not trident's overhead."""
     device = torch.device("cuda" if GPU else "cpu")
     net = load_causal_lm(model, "float32", device)
     half = r["dtype"] == "bfloat16"

@@ -88,3 +88,16 @@ def test_a_run_directory_that_holds_a_run_is_refused_before_ray_starts(tiny_mode
     _one_line_error(r, "already holds a run", "--resume", "run.overwrite=true")
     assert "Ray" not in r.stderr  # refused before Ray (which starts while the pipeline imports)
     assert [p.name for p in (tmp_path / "r").iterdir()] == ["metrics.jsonl"]
+
+
+def test_every_expected_error_is_a_class_of_the_module_named_for_it():
+    """The one-line errors are looked up by module (so the handler imports nothing): each name
+    must be an exception class defined in that module, or it would never print one line."""
+    import importlib
+
+    from trident.cli import _EXPECTED_ERRORS
+
+    for module, names in _EXPECTED_ERRORS.items():
+        for name in names:
+            cls = getattr(importlib.import_module(module), name)
+            assert issubclass(cls, BaseException) and cls.__module__ == module, (module, name)

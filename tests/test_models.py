@@ -52,12 +52,14 @@ def test_model_init_loads_in_transformers_and_generates(tiny_model):
     assert out.shape[1] == ids.shape[1] + 4 or out[0, -1].item() == tok.eos_token_id
 
 
-# The published config.json of each model card (huggingface.co/Qwen/Qwen2.5-0.5B,
+# The published config.json of each model card (huggingface.co/Qwen/Qwen2.5-0.5B, -1.5B, -7B,
 # Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B), typed here independently of trident's table:
 # hidden, intermediate, layers, heads, KV heads, head dim, vocab, tied, max positions, rms eps,
 # RoPE theta, RoPE scaling.
 PUBLISHED = {
     "qwen2.5-0.5b": ("qwen2", 896, 4864, 24, 14, 2, 64, 151936, True, 32768, 1e-6, 1e6, None),
+    "qwen2.5-1.5b": ("qwen2", 1536, 8960, 28, 12, 2, 128, 151936, True, 131072, 1e-6, 1e6, None),
+    "qwen2.5-7b": ("qwen2", 3584, 18944, 28, 28, 4, 128, 152064, False, 131072, 1e-6, 1e6, None),
     "qwen3-0.6b": ("qwen3", 1024, 3072, 28, 16, 8, 128, 151936, True, 40960, 1e-6, 1e6, None),
     "llama-3.2-1b": (
         "llama", 2048, 8192, 16, 32, 8, 64, 128256, True, 131072, 1e-5, 5e5,
@@ -85,6 +87,19 @@ def test_like_configs_are_the_published_ones(name):
     assert rope.pop("rope_theta") == theta
     assert rope == (scaling or {"rope_type": "default"})
     assert hf_config(LIKE[name], layers=2).num_hidden_layers == 2
+
+
+@pytest.mark.parametrize(("name", "billions"), [("qwen2.5-1.5b", 1.54), ("qwen2.5-7b", 7.62)])
+def test_like_shapes_have_the_published_parameter_counts(name, billions):
+    """The model cards' sizes (1.54 B, 7.62 B), counted on the meta device (nothing allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trident.models.factory import LIKE, hf_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(LIKE[name]))
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions
 
 
 def test_model_init_config_writes_a_loadable_real_architecture(tmp_path):

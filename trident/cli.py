@@ -321,7 +321,7 @@ def _model_parser(sub) -> None:
     )
     source.add_argument(
         "--like",
-        choices=["qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b"],
+        choices=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "llama-3.2-1b"],
         help="a published model's architecture (its config.json), e.g. qwen2.5-0.5b: 494 M params",
     )
     source.add_argument("--config", help="a Hugging Face config.json: its architecture")
@@ -401,37 +401,34 @@ def _plugins() -> list[Callable]:
     return registers
 
 
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    from trident.cluster.net import PortInUseError
-    from trident.cluster.placement import PlacementError
-    from trident.data.loaders import DataError
-    from trident.models.load import ModelPathError
-    from trident.pipeline.harness import LedgerError
-    from trident.pipeline.recovery import ServerDiedError
-    from trident.pipeline.watchdog import HangError
-    from trident.rollout.engine import EngineError
-    from trident.rollout.membership import JoinRefused
-    from trident.rollout.vllm_server import ServerStartError
-    from trident.train.group import TrainerRankError, TrainerStartError
-    from trident.weights.sync import WeightSyncError
+# The errors that print one line (exit 2), by the module that defines each. Only modules already
+# imported are looked at: an error can only be an instance of a class whose module has run, and
+# importing the others here would pull Ray into every command's error path (engine-free commands
+# run on hosts without Ray or vLLM).
+_EXPECTED_ERRORS = {
+    "trident.cluster.net": ("PortInUseError",),
+    "trident.cluster.placement": ("PlacementError",),
+    "trident.data.loaders": ("DataError",),
+    "trident.models.load": ("ModelPathError",),
+    "trident.pipeline.ledger": ("LedgerError",),
+    "trident.pipeline.members": ("ServerDiedError",),
+    "trident.pipeline.watchdog": ("HangError",),
+    "trident.rollout.engine": ("EngineError",),
+    "trident.rollout.membership": ("JoinRefused",),
+    "trident.rollout.vllm_server": ("ServerStartError",),
+    "trident.train.group": ("TrainerStartError", "TrainerRankError"),
+    "trident.weights.control": ("WeightSyncError",),
+}
 
-    return (
-        ConfigError,
-        DataError,
-        JoinRefused,
-        ModelPathError,
-        ServerStartError,
-        PortInUseError,
-        PlacementError,
-        TrainerStartError,
-        TrainerRankError,
-        HangError,
-        LedgerError,
-        ServerDiedError,
-        EngineError,
-        WeightSyncError,
-        FileNotFoundError,
-    )
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    loaded = [
+        getattr(sys.modules[module], name)
+        for module, names in _EXPECTED_ERRORS.items()
+        if module in sys.modules
+        for name in names
+    ]
+    return (ConfigError, FileNotFoundError, *loaded)
 
 
 def _out_of_memory(error: BaseException) -> str | None:

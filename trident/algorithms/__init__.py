@@ -1,8 +1,10 @@
 """Pure RL algorithm functions on torch tensors: advantages, policy/value losses, KL, importance
 correction, loss aggregation, and the per-micro-batch loss that combines them
-(:mod:`trident.algorithms.rl_loss`). No I/O, no Ray, no HTTP, no files; every formula has a
-float64 golden-value test in ``tests/test_algorithms.py`` or ``tests/test_rl_loss.py``. How the
-trainer puts them together, and why: ``docs/algorithms.md``.
+(:mod:`trident.algorithms.rl_loss`), and the Tinker API's sum-semantics losses
+(:mod:`trident.algorithms.tinker_losses`). No I/O, no Ray, no HTTP, no files; every formula has a
+float64 golden-value test in ``tests/test_algorithms.py``, ``tests/test_rl_loss.py`` or
+``tests/test_tinker_losses.py``. How the trainer puts them together, and why:
+``docs/algorithms.md``.
 
 Shapes: per-token values are padded [B, T] with a ``mask`` [B, T] (1 = the token counts in the
 loss); per-sequence values are [B].

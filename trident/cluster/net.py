@@ -1,14 +1,15 @@
 """Addresses and ports: which address a process on this node is reached at, and free ports.
 
 On one machine every role talks over loopback; on a Ray cluster of several nodes, each actor
-advertises the address of the node it runs on.
+advertises the address of the node it runs on. Ray is looked at only where a process already
+imported it (``sys.modules``): a process without Ray is on one node by definition, and the
+engine-free commands (``trident sft``, the trainer measured alone) run where Ray is not installed.
 """
 
 from __future__ import annotations
 
 import socket
-
-import ray
+import sys
 
 
 class PortInUseError(RuntimeError):
@@ -44,7 +45,8 @@ def address_towards(host: str) -> str:
 
 def single_node() -> bool:
     """True when the Ray cluster has one live node (or Ray is not running)."""
-    if not ray.is_initialized():
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
         return True
     return len([n for n in ray.nodes() if n.get("Alive")]) <= 1
 
@@ -52,7 +54,8 @@ def single_node() -> bool:
 def node_ip() -> str:
     """The address other processes reach this one at: loopback on a single node, else the
     node's IP as Ray sees it."""
-    if not ray.is_initialized():
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
         return "127.0.0.1"
     ip = ray.util.get_node_ip_address()
     return "127.0.0.1" if ip in ("127.0.0.1", "localhost") or single_node() else ip

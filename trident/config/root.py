@@ -29,6 +29,7 @@ from trident.config.schema import (
     TelemetryConfig,
     TrainerConfig,
 )
+from trident.config.tinker import TinkerConfig
 
 
 class Derived(BaseModel):
@@ -55,6 +56,7 @@ class TridentConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    tinker: TinkerConfig = Field(default_factory=TinkerConfig)
 
     @computed_field
     @property

@@ -76,8 +76,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 # Published architectures, as their model cards' config.json files give them (huggingface.co/
-# Qwen/Qwen2.5-0.5B, Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B): every field that shapes the
-# network or its numerics. The token ids (bos/eos/pad) are not copied: they name the real
+# Qwen/Qwen2.5-0.5B, -1.5B, -7B, Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B): every field that
+# shapes the network or its numerics. The token ids (bos/eos/pad) are not copied: they name the real
 # tokenizer's tokens, and a checkpoint built here carries trident's tokenizer instead.
 LIKE: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(
@@ -98,6 +98,46 @@ LIKE: dict[str, dict[str, Any]] = {
         attention_dropout=0.0,
         initializer_range=0.02,
         vocab_size=151936,
+        torch_dtype="bfloat16",
+    ),
+    "qwen2.5-1.5b": dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        max_window_layers=28,
+        sliding_window=131072,
+        use_sliding_window=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        vocab_size=151936,
+        torch_dtype="bfloat16",
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        max_window_layers=28,
+        sliding_window=131072,
+        use_sliding_window=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        vocab_size=152064,
         torch_dtype="bfloat16",
     ),
     "qwen3-0.6b": dict(

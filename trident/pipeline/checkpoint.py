@@ -13,8 +13,9 @@ A checkpoint ``runs/<name>/checkpoints/<step_K | final>/`` holds:
   responses);
 - ``manifest.json``, written last.
 
-Atomicity: everything is written into ``checkpoints/.tmp-<name>/`` and renamed into place after
-the manifest; a checkpoint without a manifest (a run killed while writing it) is never picked.
+Atomicity (``train/atomic.py``): everything is written into ``checkpoints/.tmp-<name>/`` and
+renamed into place after the manifest; a checkpoint without a manifest (a run killed while
+writing it) is never picked.
 
 Run directories (``run.resume``, ``run.overwrite``): ``never`` refuses a directory that already
 holds a run unless ``run.overwrite``; ``auto`` continues from the newest complete checkpoint, or
@@ -51,18 +52,11 @@ from pathlib import Path
 from typing import Any
 
 from trident.config import ConfigError, TridentConfig
+from trident.train.atomic import MANIFEST, is_complete, write_dir
+from trident.train.atomic import read_manifest as manifest
 
-MANIFEST = "manifest.json"
 ATTEMPTS = "attempts"  # what earlier attempts left in a run directory (module docstring)
 RUN_STATE = "run_state.pt"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / MANIFEST).is_file()
-
-
-def manifest(path: Path) -> dict[str, Any]:
-    return json.loads((path / MANIFEST).read_text())
 
 
 def newest(run_dir: Path) -> Path | None:
@@ -82,17 +76,16 @@ async def write(
     """Write checkpoint ``name`` atomically (module docstring); with ``keep_last``, keep only
     the newest ``keep_last`` periodic (``step_*``) checkpoints."""
     root = run_dir / "checkpoints"
-    tmp, final = root / f".tmp-{name}", root / name
-    shutil.rmtree(tmp, ignore_errors=True)
-    await save_trainer(tmp)
-    import torch  # here: ``trident train`` prepares the run directory before it imports torch
 
-    torch.save(run_state, tmp / RUN_STATE)
-    (tmp / MANIFEST).write_text(
-        json.dumps({"step": run_state["step"], "version": run_state["version"]}) + "\n"
+    async def fill(tmp: Path) -> None:
+        await save_trainer(tmp)
+        import torch  # here: ``trident train`` prepares the run directory before it imports torch
+
+        torch.save(run_state, tmp / RUN_STATE)
+
+    final = await write_dir(
+        root / name, fill, {"step": run_state["step"], "version": run_state["version"]}
     )
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
     if keep_last:
         periodic = sorted(
             (p for p in root.glob("step_*") if is_complete(p)), key=lambda p: manifest(p)["step"]

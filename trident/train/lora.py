@@ -23,6 +23,7 @@ time as the stream reaches it.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -31,7 +32,7 @@ from trident.weights.tensors import full_tensor
 
 if TYPE_CHECKING:
     from peft.tuners.lora import LoraLayer
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from trident.config.schema import LoraConfig
 
@@ -149,6 +150,18 @@ def adapter_config(model: torch.nn.Module) -> dict[str, Any]:
     """peft's ``adapter_config.json`` of the policy's one adapter, which vLLM reads."""
     (config,) = cast("Any", model).peft_config.values()
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+
+
+def save_hf(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path
+) -> Path:
+    """``model`` as an HF checkpoint in ``out_dir``, a LoRA model merged into its base, so
+    ``from_pretrained`` loads a plain model (collective)."""
+    from trident.train import fsdp
+
+    merged = merged_state_dict(model) if is_lora(model) else None
+    base = cast("PreTrainedModel", base_model(model))
+    return fsdp.save_hf(base, tokenizer, out_dir, state=merged)
 
 
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

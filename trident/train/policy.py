@@ -12,7 +12,8 @@ A training step, given the step's scored Samples (the same list on every rank), 
 4. reduce: the ranks' metric sums become the step's metrics.
 
 The worker also saves and loads the training state; its weight push to the rollout servers is
-its ``WeightSender`` (:mod:`trident.train.weight_sender`). What the advantage and the loss are made of, and why: ``docs/algorithms.md``.
+its ``WeightSender`` (:mod:`trident.train.weight_sender`). What the advantage and the loss are
+made of, and why: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,10 +48,6 @@ from trident.train.recompute import (
     token_logprobs,
 )
 from trident.train.weight_sender import WeightSender
-from trident.weights.tensors import full_tensor
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 __all__ = ["PolicyWorker", "engine_logprobs_are_old", "token_logprobs"]
 
@@ -69,7 +66,7 @@ class PolicyWorker:
         fsdp.set_cpu_threads(cfg.trainer.cpu_threads, sharing=computing)
         torch.manual_seed(cfg.run.seed)
         if cfg.run.deterministic:
-            _deterministic_kernels()
+            fsdp.deterministic_kernels()
         self.cfg, self.rank, self.world = cfg, rank, world_size
         a, tc = cfg.algo, cfg.trainer
         self.device = fsdp.device()
@@ -280,9 +277,11 @@ class PolicyWorker:
             if out.value is not None:
                 (out.value * self.world).backward()
             add_sums(sums, out.sums)  # a zero-weight pass adds zeros: every rank has the keys
-        sums["grad_norm"] += _clip_and_step(self.model, self.opt, tc.grad_clip)
+        sums["grad_norm"] += fsdp.clip_and_step(self.model, self.opt, tc.grad_clip)
         if self.critic is not None:
-            sums["critic_grad_norm"] += _clip_and_step(self.critic, self.critic_opt, tc.grad_clip)
+            sums["critic_grad_norm"] += fsdp.clip_and_step(
+                self.critic, self.critic_opt, tc.grad_clip
+            )
         sums["optimizer_steps"] += 1
         return rows
 
@@ -324,10 +323,7 @@ class PolicyWorker:
 
     def save_hf(self, out_dir: str) -> str:
         """The policy as an HF checkpoint (a LoRA policy merged into its base). Collective."""
-        merged = lora.merged_state_dict(self.model) if lora.is_lora(self.model) else None
-        base = cast("PreTrainedModel", lora.base_model(self.model))
-        fsdp.save_hf(base, self.tokenizer, out_dir, state=merged)
-        return str(Path(out_dir))
+        return str(lora.save_hf(self.model, self.tokenizer, out_dir))
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -372,25 +368,6 @@ class PolicyWorker:
         self.release()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _deterministic_kernels() -> None:
-    """``run.deterministic``: torch's deterministic kernels, without its NaN-filling of every new
-    tensor, a debugging aid that changes no result of code that reads what it wrote: 7% of the
-    small preset's bfloat16 step on CPU (3.49 s against 3.24 s, interleaved; 3.14 s without
-    deterministic kernels). The module is an object with this documented property, which
-    pyright cannot see."""
-    torch.use_deterministic_algorithms(True)
-    deterministic = torch.utils.deterministic
-    deterministic.fill_uninitialized_memory = False  # pyright: ignore[reportAttributeAccessIssue]
-
-
-def _clip_and_step(model: torch.nn.Module, opt: torch.optim.Optimizer, max_norm: float) -> float:
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    grad_norm = full_tensor(grad_norm)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(grad_norm)
 
 
 def engine_logprobs_are_old(

@@ -41,8 +41,12 @@ def token_logprobs(
     packed: bool = False,
     shared: bool = False,
     world: int = 1,
+    targets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token logprobs [B, T-1] of ``batch.input_ids[:, 1:]`` (and entropies if asked).
+    """Per-token logprobs [B, T-1] of ``batch.input_ids[:, 1:]`` (and entropies if asked), or
+    [B, T] of ``targets`` [B, T], the token each input position is scored on, for a caller
+    that aligned its targets itself (the Tinker API's datums; padded only, not ``packed`` or
+    ``shared``).
     ``chunk_tokens`` > 0: the vocabulary projection ``chunk_tokens`` positions at a time, forward
     and backward (:mod:`trident.train.logprobs`), for models whose logits are the plain head of
     the last hidden state; 0 (or another head): the whole [B, T, V] grid at once. ``packed``
@@ -51,6 +55,8 @@ def token_logprobs(
     is). ``shared`` (``trainer.share_prompts``): rows with the same prompt run it once
     (:func:`_shared_prompt_logprobs`), only the predictions of loss tokens' spans computed; with
     ``world`` FSDP ranks, all of them or none (collective)."""
+    if targets is not None and (packed or shared):
+        raise ValueError("token_logprobs: explicit targets are scored padded only")
     head = output_head(model) if chunk_tokens > 0 else None
     if shared and head is not None and not packed:
         out = _shared_prompt_logprobs(
@@ -58,23 +64,26 @@ def token_logprobs(
         )
         if out is not None:
             return out
+    last = -1 if targets is None else None  # padded: the positions that predict a target
     if packed:
         input_ids, position_ids, where, at = pack(batch)
         inputs = {"input_ids": input_ids, "position_ids": position_ids}
         targets = input_ids.flatten()[at + 1]  # the token after each predicting position
     else:
         inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-        where, at, targets = None, None, batch.input_ids[:, 1:]
+        where, at = None, None
+        if targets is None:
+            targets = batch.input_ids[:, 1:]
     if head is not None:
         hidden = _last_hidden_state(model, inputs)
-        hidden = hidden[:, :-1] if at is None else hidden.flatten(0, 1)[at]
+        hidden = hidden[:, :last] if at is None else hidden.flatten(0, 1)[at]
         logp, entropy = chunked_logprobs(
             hidden, head.weight, head.bias, targets, temperature=temperature,
             chunk_tokens=chunk_tokens, with_entropy=with_entropy,
         )  # fmt: skip
     else:
         logits = model(**inputs, use_cache=False).logits
-        logits = logits[:, :-1] if at is None else logits.flatten(0, 1)[at]
+        logits = logits[:, :last] if at is None else logits.flatten(0, 1)[at]
         logp, entropy = grid_logprobs(logits, targets, temperature, with_entropy)
     if where is None:
         return logp, entropy
