@@ -297,6 +297,34 @@ def _rollout_parser(sub) -> None:
     p.set_defaults(func=cmd_rollout_leave)
 
 
+def cmd_tinker_serve(args: argparse.Namespace) -> int:
+    """The Tinker API training service (``trident.tinker.serve``) until Ctrl-C or SIGTERM."""
+    cfg = _resolve(args, needs_model=False)  # the served checkpoint is tinker.models'
+    if cfg is None:
+        return 0
+    from trident.tinker.serve import serve
+
+    serve(cfg)
+    return 0
+
+
+def _tinker_parser(sub) -> None:
+    """``trident tinker serve``."""
+    tinker = sub.add_parser(
+        "tinker", help="the Tinker API training service", description="The Tinker API service."
+    )
+    tinker_sub = tinker.add_subparsers(dest="tinker_command", required=True, metavar="ACTION")
+    p = _job_parser(
+        tinker_sub,
+        "serve",
+        "serve the Tinker API (forward_backward, optim_step, sample, ...) on tinker.port",
+        "Start the trainer, the vLLM servers (or attach to rollout.server_urls) and the Tinker "
+        "API on tinker.host:tinker.port, serving the checkpoint tinker.models names; a restart "
+        "on the same tinker.state_dir resumes exactly.",
+    )
+    p.set_defaults(func=cmd_tinker_serve)
+
+
 def _model_parser(sub) -> None:
     """``trident model init``."""
     model = sub.add_parser(
@@ -379,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     _rollout_parser(sub)
+    _tinker_parser(sub)
     for register in _plugins():
         register(sub)
     return parser
