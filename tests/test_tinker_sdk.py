@@ -2,7 +2,8 @@
 a LoRA model trained with cross_entropy and importance_sampling, its weights pushed to the vLLM
 server trident started (verified) and sampled (n samples, tokens and logprobs, stop token ids
 and stop strings honoured with the stop sequence returned, the engine's logprobs the trainer's),
-its state saved, and a client created from that state continuing bitwise."""
+its state saved, a client created from that state continuing bitwise, stale sampling sessions
+refused; and a restart that pushes the weights again before any sample."""
 
 from __future__ import annotations
 
@@ -10,20 +11,22 @@ import signal
 import socket
 import sys
 import uuid
+from pathlib import Path
+from typing import Any
 
 import pytest
 import tinker
 from tinker import types as sdk
 from transformers import AutoTokenizer
 
-from tests.conftest import Run, wait_gone
+from tests.conftest import Run, rollout_server, wait_gone
 
 PROMPT = [11, 42, 7, 99, 23]
 
 
 def _datum(tokens: list[int], **inputs: list[float]) -> sdk.Datum:
     """``tokens`` scored as next-token targets (position i predicts ``tokens[i + 1]``)."""
-    fields: dict[str, list] = {"target_tokens": tokens[1:]}
+    fields: dict[str, Any] = {"target_tokens": tokens[1:]}  # the SDK takes lists
     fields.update({k: v[: len(tokens) - 1] for k, v in inputs.items()})
     return sdk.Datum(model_input=sdk.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=fields)
 
@@ -41,28 +44,52 @@ def _is_data() -> list[sdk.Datum]:
     ]
 
 
+class Serve:
+    """``trident tinker serve`` in a subprocess (tagged), stopped with SIGTERM and started
+    again on the same state directory (``restart``)."""
+
+    def __init__(self, tiny_model: str, tmp: Path, *overrides: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.tag, self.tmp, self.lives = f"tinker-{uuid.uuid4().hex[:8]}", tmp, 0
+        self.cmd = [
+            sys.executable, "-m", "trident.cli", "tinker", "serve", "-c", "configs/tinker.yaml",
+            f"tinker.models={{tiny: {tiny_model}}}", f"tinker.port={self.port}",
+            f"tinker.state_dir={tmp / 'state'}", f"run.dir={tmp}", "telemetry.progress=false",
+            *overrides,
+        ]  # fmt: skip
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        self.lives += 1
+        out = self.tmp / f"life{self.lives}"
+        out.mkdir()
+        self.run = Run(self.cmd, self.tag, out)
+        self.run.wait_for(lambda: "tinker service at" in self.run.output, timeout=300)
+
+    def stop(self) -> None:
+        try:
+            assert self.run.proc.poll() is None, self.run.output[-3000:]
+            self.run.proc.send_signal(signal.SIGTERM)
+        finally:
+            self.run.finish(timeout=120)
+        assert self.run.proc.returncode == 143, self.run.output[-3000:]
+        assert wait_gone(self.tag) == set()  # the vLLM server and Ray went with it
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tinker_sdk")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tag = f"tinker-{uuid.uuid4().hex[:8]}"
-    cmd = [
-        sys.executable, "-m", "trident.cli", "tinker", "serve", "-c", "configs/tinker.yaml",
-        f"tinker.models={{tiny: {tiny_model}}}", f"tinker.port={port}",
-        f"tinker.state_dir={tmp / 'state'}", f"run.dir={tmp}", "telemetry.progress=false",
-    ]  # fmt: skip
-    server = Run(cmd, tag, tmp)
+    server = Serve(tiny_model, tmp_path_factory.mktemp("tinker_sdk"))
     try:
-        server.wait_for(lambda: "tinker service at" in server.output, timeout=300)
-        yield f"http://127.0.0.1:{port}", tmp
-        assert server.proc.poll() is None, server.output[-3000:]
-        server.proc.send_signal(signal.SIGTERM)
+        yield server
     finally:
-        server.finish(timeout=120)
-    assert server.proc.returncode == 143, server.output[-3000:]
-    assert wait_gone(tag) == set()  # the vLLM server and Ray went with it
+        server.stop()
 
 
 def _step(client, data: list[sdk.Datum]) -> tuple[list[list[float]], float, float]:
@@ -82,7 +109,7 @@ def _ascii_token(tokenizer, tokens: list[int], start: int) -> int | None:
 
 
 def test_the_sdk_trains_samples_and_resumes_bitwise(served, tiny_model, monkeypatch):
-    url, _ = served
+    url = served.url
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     with tinker.ServiceClient(base_url=url, api_key="tml-test") as service:
@@ -98,7 +125,8 @@ def test_the_sdk_trains_samples_and_resumes_bitwise(served, tiny_model, monkeypa
         many = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
         assert len(many.sequences) == 3
         for seq in many.sequences:
-            assert 0 < len(seq.tokens) <= 8 and len(seq.logprobs) == len(seq.tokens)
+            assert seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens)
+            assert 0 < len(seq.tokens) <= 8
 
         # The engine's logprobs of its samples are the trainer's: the push delivered the weights.
         ref = sampler.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0]
@@ -131,7 +159,7 @@ def test_the_sdk_trains_samples_and_resumes_bitwise(served, tiny_model, monkeypa
         assert stop_text not in tokenizer.decode(by_string.tokens[:-1])
 
         logprobs = sampler.compute_logprobs(prompt).result()
-        assert logprobs[0] is None and len(logprobs) == len(PROMPT)
+        assert logprobs is not None and len(logprobs) == len(PROMPT) and logprobs[0] is None
 
         # save_state, a client from it with its optimizer: the next step bitwise the original's
         saved = trainer.save_state("after-1").result().path
@@ -143,3 +171,45 @@ def test_the_sdk_trains_samples_and_resumes_bitwise(served, tiny_model, monkeypa
         outs = [c.forward(_ce_data(), "cross_entropy").result() for c in after]
         first, second = ([o["logprobs"].tolist() for o in out.loss_fn_outputs] for out in outs)
         assert first == second  # the weights after the step, too
+
+        # A named save: the export and the push; a session on its path samples. Once another
+        # push replaces the weights, the sessions on the old ones are refused, clearly.
+        named = trainer.save_weights_for_sampler("named").result().path
+        from_path = service.create_sampling_client(model_path=named).result()
+        assert len(from_path.sample(prompt, 2, params).result().sequences) == 2
+        fresh = loaded.save_weights_and_get_sampling_client().result()
+        assert fresh.sample(prompt, 1, params).result().sequences
+        with pytest.raises(tinker.RequestFailedError, match="no longer on the rollout servers"):
+            sampler.sample(prompt, 1, params).result()
+        _step(trainer, _ce_data())  # the named weights are no longer the model's
+        with pytest.raises(Exception, match="older weights"):
+            service.create_sampling_client(model_path=named).result()
+
+
+def test_a_restart_pushes_the_weights_again_before_any_sample(tiny_model, tmp_path, monkeypatch):
+    """Attached to a ``trident rollout serve`` (no vLLM cold start, no Ray), the service is
+    stopped after a push and started again on its state directory: the journal is replayed and
+    the model's weights pushed again (verified) before the sampling session from before samples;
+    it samples what it sampled before, and training goes on."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    vllm_tag = f"tinker-vllm-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "vllm").mkdir()
+    with rollout_server(tiny_model, tmp_path / "vllm", vllm_tag) as vllm_url:
+        server = Serve(tiny_model, tmp_path, f"rollout.server_urls=[{vllm_url}]")
+        try:
+            with tinker.ServiceClient(base_url=server.url, api_key="tml-test") as service:
+                trainer = service.create_lora_training_client(base_model="tiny", rank=4).result()
+                first = _step(trainer, _ce_data())
+                sampler = trainer.save_weights_and_get_sampling_client().result()
+                prompt = sdk.ModelInput.from_ints(PROMPT)
+                params = sdk.SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+                before = sampler.sample(prompt, 2, params).result().sequences
+                server.restart()
+                after = sampler.sample(prompt, 2, params).result().sequences
+                assert "pushed again after the restart (verified)" in server.run.output
+                assert [s.tokens for s in after] == [s.tokens for s in before]
+                for a, b in zip(after, before, strict=True):
+                    assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+                assert _step(trainer, _ce_data())[1] != first[1]  # the model trains on
+        finally:
+            server.stop()

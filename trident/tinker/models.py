@@ -44,14 +44,14 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 # (base path, LoRA shape or None for full fine-tuning) -> a Trainer, or an awaitable of one
 TrainerFactory = Callable[[str, LoraShape | None], Trainer | Awaitable[Trainer]]
-# (the model, the sampling session to bind to its weights or None) -> once they are served
-Publish = Callable[["TrainedModel", str | None], Awaitable[None]]
+# (the model, the sampling session to bind to its weights) -> once they are served
+Publish = Callable[["TrainedModel", str], Awaitable[None]]
 
 
-def sampler_id_of(model_id: str, seq_id: int) -> str:
-    """The sampling session an unnamed ``save_weights_for_sampler`` answers (deterministic: a
-    replay binds the same one)."""
-    return f"{model_id}:sampler:{seq_id}"
+def sampler_id_of(model_id: str, seq_id: int, named: bool = False) -> str:
+    """The sampling session a ``save_weights_for_sampler`` binds (deterministic: a replay
+    binds the same one); a named save's is not answered (its path is), only journaled."""
+    return f"{model_id}:{'saved' if named else 'sampler'}:{seq_id}"
 
 
 class UserError(Exception):
@@ -137,6 +137,7 @@ class TrainedModel:
         self.model_id = model_id
         self.publish = publish
         self.weights_seq = 0
+        self.replaying = False  # the request running was journaled before a restart
         self.origin = origin
         self.state_dir = state_dir
         self.dir = model_dir(state_dir, model_id)
@@ -226,7 +227,7 @@ class TrainedModel:
         if body.get("path"):
             done = await self._save("sampler_weights", body, rid, self.live().save_hf)
             if self.publish is not None:
-                await self.publish(self, None)
+                await self.publish(self, sampler_id_of(self.model_id, seq_id, named=True))
             return done
         if self.publish is None:
             raise UserError("an unnamed save_weights_for_sampler needs rollout servers")

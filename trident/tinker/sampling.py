@@ -18,8 +18,11 @@ Rules:
   seq_id)`` and its result kept in memory. An id of a sample from before a restart is
   ``ExpiredRequest`` (HTTP 410): the SDK resubmits the sample.
 - **Restart** (rule 6): the journaled sampling sessions come back, and no sample is served
-  until the service has replayed the model the servers held last and pushed its current weights
-  again (``resume``), or found there is none to push (``ready``).
+  until the service has replayed the model the servers held last (the model of the newest
+  session: every push journals one) and pushed its current weights again (``resume``). A
+  replayed push whose session is journaled ran before the crash and is not pushed again (the
+  servers would otherwise end on whichever model's replay came last); one that never ran is
+  pushed, and being the newest, ``resume`` then leaves it served.
 
 Simplifications: a sample's result is kept until the process ends; top-k logprobs are refused.
 """
@@ -145,20 +148,24 @@ class Sampling:
 
     # -- pushes -----------------------------------------------------------------------------
 
-    async def publish(self, model: TrainedModel, sampler_id: str | None) -> None:
+    async def publish(self, model: TrainedModel, sampler_id: str) -> None:
         """Serve ``model``'s current weights (a verified push unless the servers hold them);
-        bind ``sampler_id`` to them."""
+        bind ``sampler_id`` to them (module docstring: a replayed push)."""
+        if model.replaying and sampler_id in self.sessions:
+            return
         await self._serve(model)
-        if sampler_id is not None and sampler_id not in self.sessions:
-            binding = Binding(model.model_id, model.weights_seq, model.origin.base_model)
-            self._bind(sampler_id, binding)
+        binding = Binding(model.model_id, model.weights_seq, model.origin.base_model)
+        self._bind(sampler_id, binding)
 
-    async def resume(self, model: TrainedModel | None) -> None:
+    async def resume(self, model: TrainedModel | None) -> bool:
         """After a restart's replay of the model the servers held last: push its weights again
-        (None: it could not be restored), then let samples through."""
+        unless a push of this process came first (None: it could not be restored), then let
+        samples through. Whether it pushed."""
         try:
-            if model is not None:
-                await self._serve(model)
+            if model is None or self.version > 0:
+                return False
+            await self._serve(model)
+            return True
         finally:
             self._ready.set()
 
@@ -211,6 +218,8 @@ class Sampling:
 
     def _bind(self, sampler_id: str, binding: Binding) -> None:
         assert self._journal is not None  # open() was called
+        if self.sessions.get(sampler_id) == binding:
+            return
         self._journal.record_sampler(sampler_id, json.dumps(asdict(binding)).encode())
         self.sessions[sampler_id] = binding
 

@@ -57,7 +57,11 @@ def serve(cfg: TridentConfig) -> None:
     attached = bool(cfg.rollout.server_urls)
     backend = weight_backend(cfg.sync, None, cfg.model.lora)
     model = served_model(backend)
-    init_ray(cfg.cluster)
+    # Ray places the servers trident starts and the ranks of a group; attached servers and an
+    # in-process trainer need none (a restart then takes seconds)
+    uses_ray = not attached or cfg.trainer.num_ranks > 1
+    if uses_ray:
+        init_ray(cfg.cluster)
     try:
         with contextlib.ExitStack() as stack:
             plan = None  # an in-process trainer takes no place in Ray's plan
@@ -79,7 +83,7 @@ def serve(cfg: TridentConfig) -> None:
             )  # fmt: skip
             asyncio.run(_serve(cfg, sampling, plan))
     finally:
-        if not cfg.cluster.address:
+        if uses_ray and not cfg.cluster.address:
             ray.shutdown()
 
 

@@ -145,6 +145,7 @@ class TinkerService:
         # the model the servers held before a restart, and the seq after which its weights
         # are pushed again (-1: right after its restore)
         self._repush: tuple[str, int] | None = None
+        self._replayed: set[str] = set()  # requests journaled before this process started
         self._served_last = sampling.open(self.journal, self.models, state) if sampling else ""
 
     # -- sessions ---------------------------------------------------------------------------
@@ -308,6 +309,7 @@ class TinkerService:
         elif model is None:
             result = error(f"model {model_id} failed to load; nothing can run on it")
         else:
+            model.replaying = item.request_id in self._replayed
             result = await model.run(item.kind, item.args, item.request_id, item.seq_id)
         self._deliver(item.request_id, result)
         if self._repush == (model_id, item.seq_id):
@@ -355,7 +357,14 @@ class TinkerService:
         self._repush = None
         assert self.sampling is not None  # only set with sampling
         try:
-            await self.sampling.resume(model)
+            if await self.sampling.resume(model):
+                assert model is not None  # pushed
+                print(
+                    f"tinker: the weights of {model.model_id} at seq {model.weights_seq} pushed "
+                    "again after the restart (verified)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         except Exception as exc:  # its sessions' samples are refused as stale: say why
             print(f"tinker: re-pushing the weights after a restart failed: {exc}", file=sys.stderr)
 
@@ -433,6 +442,7 @@ class TinkerService:
                     raise RuntimeError(
                         f"journaled request {op.request_id} ({op.kind}) no longer decodes: {exc}"
                     ) from exc
+                self._replayed.add(op.request_id)
                 executor.put(Queued(op.request_id, op.seq_id, op.kind, args, time.monotonic()))
         if newest is None:
             executor.start()  # from the first request, which is queued

@@ -141,8 +141,11 @@ class TinkerModel:
         if cfg.run.deterministic:
             fsdp.deterministic_kernels()
         self.cfg, self.device = cfg, fsdp.device()
-        self.tokenizer = load_tokenizer(base_path)
-        with _BUILDING:  # the adapters' initial values come from the seeded (global) RNG
+        # one build at a time: the adapters' initial values come from the seeded (global) RNG,
+        # and two threads importing transformers' lazy modules at once can fail (seen: two
+        # models restored together)
+        with _BUILDING:
+            self.tokenizer = load_tokenizer(base_path)
             torch.manual_seed(cfg.run.seed)
             model = load_causal_lm(base_path, fsdp.MASTER_DTYPE, self.device)
             self.vocab = int(model.config.vocab_size)  # the embedding's rows
