@@ -3,7 +3,7 @@ a LoRA model trained with cross_entropy and importance_sampling, its weights pus
 server trident started (verified) and sampled (n samples, tokens and logprobs, stop token ids
 and stop strings honoured with the stop sequence returned, the engine's logprobs the trainer's),
 its state saved, a client created from that state continuing bitwise, stale sampling sessions
-refused; and a restart that pushes the weights again before any sample."""
+refused; and (slow) a restart that pushes the weights again before any sample."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import tinker
 from tinker import types as sdk
 from transformers import AutoTokenizer
 
-from tests.conftest import Run, rollout_server, wait_gone
+from tests.conftest import Run, rollout_server, run_cli, wait_gone
 
 PROMPT = [11, 42, 7, 99, 23]
 
@@ -42,6 +42,16 @@ def _is_data() -> list[sdk.Datum]:
         _datum(list(r), logprobs=[-2.0] * len(r), advantages=[0.5 - (i % 2)] * len(r))
         for i, r in enumerate(rows)
     ]
+
+
+def test_a_missing_checkpoint_fails_before_anything_starts(tmp_path):
+    done = run_cli(
+        "tinker", "serve", "-c", "configs/tinker.yaml", f"tinker.models={{tiny: {tmp_path}}}",
+        f"run.dir={tmp_path}", timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "is not a model checkpoint (no config.json)" in done.stderr
+    assert "Ray" not in done.stderr and "rollout server" not in done.stderr
 
 
 class Serve:
@@ -113,6 +123,8 @@ def test_the_sdk_trains_samples_and_resumes_bitwise(served, tiny_model, monkeypa
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     with tinker.ServiceClient(base_url=url, api_key="tml-test") as service:
+        with pytest.raises(Exception, match="unknown base_model 'other'"):
+            service.create_lora_training_client(base_model="other", rank=4).result()
         trainer = service.create_lora_training_client(base_model="tiny", rank=4).result()
         trainer.forward_backward(_ce_data(), "cross_entropy").result()
         trainer.forward_backward(_is_data(), "importance_sampling").result()
@@ -186,6 +198,7 @@ def test_the_sdk_trains_samples_and_resumes_bitwise(served, tiny_model, monkeypa
             service.create_sampling_client(model_path=named).result()
 
 
+@pytest.mark.slow  # a rollout server and two lives of the service: 45-85 s on 2 shared cores
 def test_a_restart_pushes_the_weights_again_before_any_sample(tiny_model, tmp_path, monkeypatch):
     """Attached to a ``trident rollout serve`` (no vLLM cold start, no Ray), the service is
     stopped after a push and started again on its state directory: the journal is replayed and
