@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import tinker
 from tinker import types as sdk
@@ -169,6 +170,22 @@ def test_the_sdk_trains_samples_and_resumes_bitwise(served, tiny_model, monkeypa
         assert by_string.tokens == ref.tokens[: len(by_string.tokens)]
         assert stop_text in tokenizer.decode(by_string.tokens)
         assert stop_text not in tokenizer.decode(by_string.tokens[:-1])
+
+        # A resent asample (same session and seq_id) is the same request, its ids the same
+        body = {
+            "sampling_session_id": sampler._sampling_session_id,
+            "seq_id": 10**6,
+            "num_samples": 2,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+            "sampling_params": {"max_tokens": 4, "seed": 3},
+        }
+        posts = [
+            httpx.post(f"{url}/api/v1/asample", json=body, headers={"X-API-Key": "tml-test"})
+            for _ in range(2)
+        ]
+        assert [p.status_code for p in posts] == [200, 200], posts[0].text
+        assert posts[0].json() == posts[1].json()
+        assert len(posts[0].json()["sample_sequence_ids"]) == 2
 
         logprobs = sampler.compute_logprobs(prompt).result()
         assert logprobs is not None and len(logprobs) == len(PROMPT) and logprobs[0] is None
