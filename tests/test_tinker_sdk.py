@@ -130,7 +130,7 @@ def test_the_sdk_trains_samples_and_resumes_bitwise(served, tiny_model, monkeypa
         trainer.forward_backward(_ce_data(), "cross_entropy").result()
         trainer.forward_backward(_is_data(), "importance_sampling").result()
         step = trainer.optim_step(sdk.AdamParams(learning_rate=5e-2, eps=1e-8)).result()
-        assert step.metrics["grad_norm"] > 0
+        assert step.metrics is not None and step.metrics["grad_norm"] > 0
 
         sampler = trainer.save_weights_and_get_sampling_client().result()
         prompt = sdk.ModelInput.from_ints(PROMPT)

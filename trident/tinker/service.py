@@ -35,7 +35,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,7 +139,7 @@ class TinkerService:
         self._executors: dict[str, ModelExecutor] = {}
         self._futures = Futures()
         self._refused: dict[str, Result] = {}  # answered at once, never journaled
-        self._unloading: set[asyncio.Task[None]] = set()
+        self._unloading: set[asyncio.Task[None]] = set()  # unloads and re-pushes
         self._started = False
         self.sampling = sampling
         # the model the servers held before a restart, and the seq after which its weights
@@ -168,9 +168,7 @@ class TinkerService:
         if self.journal.sessions.get(session_id) is not False:
             return
         self.journal.record_session_end(session_id)
-        task = asyncio.get_running_loop().create_task(self._unload(session_id))
-        self._unloading.add(task)
-        task.add_done_callback(self._unloading.discard)
+        self._background(self._unload(session_id))
 
     def model_info(self, model_id: str) -> dict[str, Any]:
         """``model_id``, ``base_model``, ``is_lora``, ``lora_rank``, ``tokenizer_id``, ``arch``,
@@ -298,6 +296,8 @@ class TinkerService:
             for item in held:
                 self.journal.record_skip(item.request_id)
                 self._deliver(item.request_id, error(why))
+            if self._repush is not None and self._repush[0] == model_id:  # its seq never runs
+                self._background(self._resume_serving(self.models.get(model_id)))
 
         return ModelExecutor(model_id, next_seq, apply, on_gap, self.settings.gap_timeout_s)
 
@@ -368,6 +368,11 @@ class TinkerService:
         except Exception as exc:  # its sessions' samples are refused as stale: say why
             print(f"tinker: re-pushing the weights after a restart failed: {exc}", file=sys.stderr)
 
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._unloading.add(task)  # awaited by close()
+        task.add_done_callback(self._unloading.discard)
+
     def _failed(self, model_id: str, result: Result) -> Result:
         """A model that did not load: nothing runs on it, and get_info does not know it."""
         self.models.pop(model_id, None)
@@ -418,9 +423,7 @@ class TinkerService:
                 continue
             self._resume(model_id, ops)
         if self.sampling is not None and self._served_last and self._repush is None:
-            task = asyncio.get_running_loop().create_task(self._resume_serving(None))
-            self._unloading.add(task)  # awaited by close(), like an unload
-            task.add_done_callback(self._unloading.discard)
+            self._background(self._resume_serving(None))  # its model is not restored
 
     def _resume(self, model_id: str, ops: list[OpRecord]) -> None:
         newest = Snapshots(model_dir(self.settings.state_dir, model_id) / "snapshots").newest()
