@@ -22,6 +22,8 @@ logprobs by ``token_logprobs`` (vocabulary chunks, temperature 1.0), checkpoints
   ``load_state`` equals one without the round trip, bitwise (with ``run.deterministic``).
   An optimizer that has not stepped is saved as none (torch's state-dict API would otherwise
   step it with zero gradients, which counts as a step in Adam's bias correction).
+- ``push`` is ``trident train``'s verified push (``WeightSender``: the probe checked on every
+  server), its sender connected to the servers at the first push.
 
 :class:`LocalTrainer` is the async :class:`Trainer` over one in-process model (world size 1,
 an in-memory process group): every call runs in one worker thread, in the order the calls are
