@@ -43,6 +43,7 @@ from trident.tinker.journal import Journal, Result, error
 from trident.tinker.models import TrainedModel, UserError, resolve
 from trident.tinker.wire import SampleCall, SampledOutput
 from trident.train.atomic import read_manifest
+from trident.train.datum import LoraShape
 
 BASE = ("", 0)  # the weights the servers started with: the base model
 
@@ -145,6 +146,19 @@ class Sampling:
     def serves(self, base_path: str) -> bool:
         """Whether a model of ``base_path`` can be sampled here (one base model per server)."""
         return str(Path(base_path).resolve()) == self.base_path
+
+    def check_model(self, name: str, base_path: str, lora: LoraShape | None) -> None:
+        """At ``create_model``: a ``UserError`` for a model whose weights cannot be pushed here."""
+        if not self.serves(base_path):
+            raise UserError(
+                f"base_model {name!r}: the rollout servers serve one model, {self.base_path}"
+            )
+        if self.backend == "adapter" and (lora is None or lora.rank == 0 or lora.train_unembed):
+            raise UserError(
+                "the servers take LoRA adapters (model.lora.sync=adapter), which vLLM loads on "
+                "attention and MLP layers only: create a LoRA model with train_unembed=False, "
+                "or serve with model.lora.sync=merged"
+            )
 
     # -- pushes -----------------------------------------------------------------------------
 

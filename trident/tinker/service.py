@@ -327,11 +327,8 @@ class TinkerService:
         """A model's first request: load it (and its saved weights, for create-via-load)."""
         try:
             origin = self._origin(item.kind, item.args)
-            if self.sampling is not None and not self.sampling.serves(origin.base_path):
-                raise UserError(
-                    f"base_model {origin.base_model!r}: the rollout servers serve one model, "
-                    f"{self.sampling.base_path}"
-                )
+            if self.sampling is not None:
+                self.sampling.check_model(origin.base_model, origin.base_path, origin.lora)
             model = self.models[model_id] = self._model(model_id, origin)
             await model.build(self._make_trainer)
             if origin.load_path is not None:
