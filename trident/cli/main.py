@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-from trident.cli import data, envs, rollout, sandbox, telemetry
+from trident.cli import data, envs, rollout, sandbox, telemetry, tinker
 from trident.cli.args import job_parser, resolve
 from trident.config import ConfigError, load_config
 
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_train)
 
-    for component in (rollout, sandbox, envs, data, telemetry):  # each its own subcommands
+    for component in (rollout, tinker, sandbox, envs, data, telemetry):  # each its own subcommands
         component.register(sub)
     return parser
 

@@ -35,6 +35,11 @@ class SamplingParams:
     max_tokens: int = 16
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    top_k: int = -1  # -1: off
+    stop_token_ids: list[int] = field(default_factory=list)
+    # keep a matched stop string in the output (a renderer that parses the sample, e.g. the
+    # Tinker API's role_colon, looks for it there)
+    include_stop_str_in_output: bool = False
 
 
 @dataclass
@@ -206,6 +211,12 @@ class VLLMClient:
         }
         if params.stop:
             payload["stop"] = params.stop
+        if params.stop_token_ids:
+            payload["stop_token_ids"] = params.stop_token_ids
+        if params.top_k != -1:
+            payload["top_k"] = params.top_k
+        if params.include_stop_str_in_output:
+            payload["include_stop_str_in_output"] = True
         if params.seed is not None:
             payload["seed"] = params.seed
         self.outstanding += 1

@@ -7,6 +7,12 @@ after a snapshot redoes exactly what the first run did: bitwise on CPU under
 saved directory records which request wrote it, so a replayed ``save_weights`` finds its own
 directory done instead of refusing it as a name already taken.
 
+A model's weights are named by ``weights_seq``, the seq of the request that last changed them
+(its ``optim_step`` or legacy ``load_weights``; 0 at creation): a replay gives the same names,
+and a sampling session is bound to one (``trident.tinker.sampling``). An unnamed
+``save_weights_for_sampler`` pushes the weights to the rollout servers (``publish``); a named
+one also exports them, its manifest keeping the ``weights_seq`` it holds.
+
 Places (``<state_dir>/models/<model id>/``): ``snapshots/``, ``weights/<name>/`` (the
 trainer's ``save_state`` in ``trainer/``, plus ``model.json``: base model, base path, LoRA
 shape, which a create-via-load reads back) and ``sampler_weights/<name>/`` (the trainer's HF
@@ -38,6 +44,14 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 # (base path, LoRA shape or None for full fine-tuning) -> a Trainer, or an awaitable of one
 TrainerFactory = Callable[[str, LoraShape | None], Trainer | Awaitable[Trainer]]
+# (the model, the sampling session to bind to its weights) -> once they are served
+Publish = Callable[["TrainedModel", str], Awaitable[None]]
+
+
+def sampler_id_of(model_id: str, seq_id: int, named: bool = False) -> str:
+    """The sampling session a ``save_weights_for_sampler`` binds (deterministic: a replay
+    binds the same one); a named save's is not answered (its path is), only journaled."""
+    return f"{model_id}:{'saved' if named else 'sampler'}:{seq_id}"
 
 
 class UserError(Exception):
@@ -116,8 +130,14 @@ def resolve(state_dir: Path, uri: str, place: str) -> Path:
 class TrainedModel:
     """A model and its trainer; ``run`` applies one request (module docstring)."""
 
-    def __init__(self, model_id: str, origin: Origin, state_dir: Path) -> None:
+    def __init__(
+        self, model_id: str, origin: Origin, state_dir: Path, publish: Publish | None = None
+    ) -> None:
+        """``publish``: pushes this model's weights to the rollout servers (None: none)."""
         self.model_id = model_id
+        self.publish = publish
+        self.weights_seq = 0
+        self.replaying = False  # the request running was journaled before a restart
         self.origin = origin
         self.state_dir = state_dir
         self.dir = model_dir(state_dir, model_id)
@@ -133,6 +153,7 @@ class TrainedModel:
     async def restore(self, snapshot: Path, manifest: dict[str, Any]) -> None:
         await self.live().load_state(str(snapshot / "trainer"), True)
         self.optim_steps = int(manifest["optim_steps"])
+        self.weights_seq = int(manifest["last_seq"])  # a snapshot follows its optim_step
 
     async def snapshot(self, last_seq: int) -> Path:
         """Commit a snapshot after request ``last_seq`` (right after an ``optim_step``)."""
@@ -160,17 +181,17 @@ class TrainedModel:
             "user_metadata": self.origin.user_metadata,
         }
 
-    async def run(self, kind: str, args: Any, rid: str) -> Result:
+    async def run(self, kind: str, args: Any, rid: str, seq_id: int) -> Result:
         """Apply one request (seq > 0); a failure becomes an error result, never an exception
         (the executor must go on, and replay must fail the same way)."""
         try:
-            return await self._run(kind, args, rid)
+            return await self._run(kind, args, rid, seq_id)
         except (UserError, ValueError, KeyError, TypeError) as exc:
             return error(f"{kind}: {exc}")
         except Exception as exc:  # the trainer's own failure, not the request's
             return error(f"{kind}: {type(exc).__name__}: {exc}", "server")
 
-    async def _run(self, kind: str, args: Any, rid: str) -> Result:
+    async def _run(self, kind: str, args: Any, rid: str, seq_id: int) -> Result:
         trainer = self.live()
         if kind == "forward_backward":
             outputs, metrics = await trainer.forward_backward(
@@ -184,6 +205,7 @@ class TrainedModel:
             adam = args if isinstance(args, AdamParams) else AdamParams(**fields(args))
             metrics = await trainer.optim_step(adam)
             self.optim_steps += 1
+            self.weights_seq = seq_id
             return Result("json", {"metrics": metrics})
         body = fields(args)
         if kind == "save_weights":
@@ -191,14 +213,28 @@ class TrainedModel:
                 "weights", body, rid, lambda d: trainer.save_state(f"{d}/trainer")
             )
         if kind == "save_weights_for_sampler":
-            if not body.get("path"):
-                raise UserError("an unnamed save (a push to the samplers) is not served yet")
-            return await self._save("sampler_weights", body, rid, trainer.save_hf)  # HF dir
+            return await self._for_sampler(body, rid, seq_id)
         if kind == "load_weights":  # legacy addressing: a load into this existing model
             path = resolve(self.state_dir, body["path"], "weights")
             await trainer.load_state(str(path / "trainer"), bool(body["optimizer"]))
+            self.weights_seq = seq_id
             return Result("json", {"path": body["path"], "model_id": self.model_id})
         raise UserError(f"unknown request kind {kind!r}")
+
+    async def _for_sampler(self, body: dict[str, Any], rid: str, seq_id: int) -> Result:
+        """Named: the HF export, then the push (none without rollout servers); unnamed: the
+        push, bound to a new sampling session."""
+        if body.get("path"):
+            done = await self._save("sampler_weights", body, rid, self.live().save_hf)
+            if self.publish is not None:
+                await self.publish(self, sampler_id_of(self.model_id, seq_id, named=True))
+            return done
+        if self.publish is None:
+            raise UserError("an unnamed save_weights_for_sampler needs rollout servers")
+        sampler_id = sampler_id_of(self.model_id, seq_id)
+        await self.publish(self, sampler_id)
+        kind = "save_weights_for_sampler"
+        return Result("json", {"sampling_session_id": sampler_id, "type": kind})
 
     async def _save(
         self, place: str, body: dict[str, Any], rid: str, save: Callable[[str], Awaitable[Any]]
@@ -221,5 +257,6 @@ class TrainedModel:
             (tmp / "model.json").write_text(json.dumps(self.origin.record()) + "\n")
 
         final.parent.mkdir(parents=True, exist_ok=True)
-        await write_dir(final, fill, {"model_id": self.model_id, "request_id": rid}, durable=True)
+        manifest = {"model_id": self.model_id, "request_id": rid, "weights_seq": self.weights_seq}
+        await write_dir(final, fill, manifest, durable=True)
         return done

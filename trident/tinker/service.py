@@ -16,6 +16,12 @@ answer that was stored first. A model is known to ``model_info`` from the moment
 begins. Nothing is deleted unasked: a finished session's models are unloaded, and their files
 stay for the weights they saved.
 
+Sampling (``sampling``, when the service has rollout servers): an unnamed
+``save_weights_for_sampler`` is a verified push; ``create_sampling_session``, ``sampler_info``
+and ``asample`` are ``Sampling``'s; a model of another base model than the servers' is refused
+at creation. After a restart, the model the servers held last is replayed and its weights
+pushed again before any sample runs (rule 6).
+
 Deliberate simplifications: one process; the journal is never compacted (a long run's journal
 holds every ``forward_backward`` body it received); a heartbeat is not required (rule 10:
 missed heartbeats must not unload what a restart would want back).
@@ -29,7 +35,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,8 +62,10 @@ from trident.tinker.models import (
     origin_of,
     resolve,
 )
+from trident.tinker.sampling import ExpiredSample, Sampling
 from trident.tinker.scheduler import Futures, ModelExecutor, Queued
 from trident.tinker.snapshots import Snapshots
+from trident.tinker.wire import SampleCall
 
 KINDS = (
     *CREATE_KINDS,
@@ -119,6 +127,7 @@ class TinkerService:
         settings: ServiceSettings,
         make_trainer: TrainerFactory,
         decode: Callable[[str, bytes], Any],
+        sampling: Sampling | None = None,
     ) -> None:
         self.settings = settings
         self._make_trainer = make_trainer
@@ -130,8 +139,14 @@ class TinkerService:
         self._executors: dict[str, ModelExecutor] = {}
         self._futures = Futures()
         self._refused: dict[str, Result] = {}  # answered at once, never journaled
-        self._unloading: set[asyncio.Task[None]] = set()
+        self._unloading: set[asyncio.Task[None]] = set()  # unloads and re-pushes
         self._started = False
+        self.sampling = sampling
+        # the model the servers held before a restart, and the seq after which its weights
+        # are pushed again (-1: right after its restore)
+        self._repush: tuple[str, int] | None = None
+        self._replayed: set[str] = set()  # requests journaled before this process started
+        self._served_last = sampling.open(self.journal, self.models, state) if sampling else ""
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -153,9 +168,7 @@ class TinkerService:
         if self.journal.sessions.get(session_id) is not False:
             return
         self.journal.record_session_end(session_id)
-        task = asyncio.get_running_loop().create_task(self._unload(session_id))
-        self._unloading.add(task)
-        task.add_done_callback(self._unloading.discard)
+        self._background(self._unload(session_id))
 
     def model_info(self, model_id: str) -> dict[str, Any]:
         """``model_id``, ``base_model``, ``is_lora``, ``lora_rank``, ``tokenizer_id``, ``arch``,
@@ -181,6 +194,30 @@ class TinkerService:
                     "and it has no snapshot yet: a restart would need it"
                 )
         shutil.rmtree(path)
+
+    # -- sampling ---------------------------------------------------------------------------
+
+    def _sampling(self) -> Sampling:
+        if self.sampling is None:
+            raise UserError("this service has no rollout servers to sample from")
+        return self.sampling
+
+    def create_sampling_session(self, body: dict[str, Any]) -> str:
+        """A sampling session on ``model_path`` (saved sampler weights) or ``base_model``."""
+        sampling = self._sampling()
+        name = body.get("base_model")
+        if not body.get("model_path") and not sampling.serves(
+            self.settings.models.get(str(name), str(name))
+        ):
+            raise UserError(f"base_model {name!r} is not the model the rollout servers serve")
+        return sampling.create_sampling_session(body)
+
+    def sampler_info(self, sampler_id: str) -> dict[str, Any]:
+        return self._sampling().sampler_info(sampler_id)
+
+    async def asample(self, call: SampleCall) -> tuple[str, list[str]]:
+        await self.start()
+        return await self._sampling().asample(call)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -210,6 +247,13 @@ class TinkerService:
         await self.start()
         if request_id in self._refused:
             return self._refused[request_id]
+        if Sampling.is_sample(request_id):
+            if self.sampling is None:
+                raise UnknownRequest(f"unknown request id {request_id!r}")
+            try:
+                return await self.sampling.result(request_id, timeout_s)
+            except ExpiredSample:
+                raise ExpiredRequest(f"sample {request_id} is gone (a restart)") from None
         stored = self.results.get(request_id)
         if stored is not None:
             return stored
@@ -252,6 +296,8 @@ class TinkerService:
             for item in held:
                 self.journal.record_skip(item.request_id)
                 self._deliver(item.request_id, error(why))
+            if self._repush is not None and self._repush[0] == model_id:  # its seq never runs
+                self._background(self._resume_serving(self.models.get(model_id)))
 
         return ModelExecutor(model_id, next_seq, apply, on_gap, self.settings.gap_timeout_s)
 
@@ -263,8 +309,11 @@ class TinkerService:
         elif model is None:
             result = error(f"model {model_id} failed to load; nothing can run on it")
         else:
-            result = await model.run(item.kind, item.args, item.request_id)
+            model.replaying = item.request_id in self._replayed
+            result = await model.run(item.kind, item.args, item.request_id, item.seq_id)
         self._deliver(item.request_id, result)
+        if self._repush == (model_id, item.seq_id):
+            await self._resume_serving(model)
         every = self.settings.snapshot_every
         if (
             item.kind == "optim_step"
@@ -278,7 +327,9 @@ class TinkerService:
         """A model's first request: load it (and its saved weights, for create-via-load)."""
         try:
             origin = self._origin(item.kind, item.args)
-            model = self.models[model_id] = TrainedModel(model_id, origin, self.settings.state_dir)
+            if self.sampling is not None:
+                self.sampling.check_model(origin.base_model, origin.base_path, origin.lora)
+            model = self.models[model_id] = self._model(model_id, origin)
             await model.build(self._make_trainer)
             if origin.load_path is not None:
                 trainer = model.live()
@@ -293,6 +344,31 @@ class TinkerService:
             uri = fields(item.args)["path"]
             return Result("json", {"model_id": model_id, "path": uri, "type": "load_weights"})
         return Result("json", {"model_id": model_id, "type": "create_model"})
+
+    def _model(self, model_id: str, origin: Origin) -> TrainedModel:
+        publish = self.sampling.publish if self.sampling is not None else None
+        return TrainedModel(model_id, origin, self.settings.state_dir, publish)
+
+    async def _resume_serving(self, model: TrainedModel | None) -> None:
+        """Rule 6: the replayed model's weights back on the servers before any sample."""
+        self._repush = None
+        assert self.sampling is not None  # only set with sampling
+        try:
+            if await self.sampling.resume(model):
+                assert model is not None  # pushed
+                print(
+                    f"tinker: the weights of {model.model_id} at seq {model.weights_seq} pushed "
+                    "again after the restart (verified)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        except Exception as exc:  # its sessions' samples are refused as stale: say why
+            print(f"tinker: re-pushing the weights after a restart failed: {exc}", file=sys.stderr)
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._unloading.add(task)  # awaited by close()
+        task.add_done_callback(self._unloading.discard)
 
     def _failed(self, model_id: str, result: Result) -> Result:
         """A model that did not load: nothing runs on it, and get_info does not know it."""
@@ -343,10 +419,15 @@ class TinkerService:
                         self._deliver(op.request_id, error("the model's session finished"))
                 continue
             self._resume(model_id, ops)
+        if self.sampling is not None and self._served_last and self._repush is None:
+            self._background(self._resume_serving(None))  # its model is not restored
 
     def _resume(self, model_id: str, ops: list[OpRecord]) -> None:
         newest = Snapshots(model_dir(self.settings.state_dir, model_id) / "snapshots").newest()
         last = newest[1]["last_seq"] if newest is not None else -1
+        if model_id == self._served_last:  # re-pushed once its last journaled request ran
+            ran = [op.seq_id for op in ops if op.request_id not in self.journal.skipped]
+            self._repush = (model_id, max(last, ran[-1]))
         executor = self._executors[model_id] = self._executor(model_id, last + 1)
         for op in ops:
             if op.request_id in self.journal.skipped:
@@ -361,13 +442,14 @@ class TinkerService:
                     raise RuntimeError(
                         f"journaled request {op.request_id} ({op.kind}) no longer decodes: {exc}"
                     ) from exc
+                self._replayed.add(op.request_id)
                 executor.put(Queued(op.request_id, op.seq_id, op.kind, args, time.monotonic()))
         if newest is None:
             executor.start()  # from the first request, which is queued
             return
         snapshot, manifest = newest
         origin = Origin.from_record(manifest["origin"])
-        model = self.models[model_id] = TrainedModel(model_id, origin, self.settings.state_dir)
+        model = self.models[model_id] = self._model(model_id, origin)
 
         async def restore() -> None:
             try:
@@ -376,6 +458,8 @@ class TinkerService:
             except Exception as exc:  # the model stays unloaded: its requests answer an error
                 self.models.pop(model_id, None)
                 print(f"tinker: cannot restore {model_id} from {snapshot}: {exc}", file=sys.stderr)
+            if self._repush == (model_id, last):  # nothing journaled after the snapshot
+                await self._resume_serving(self.models.get(model_id))
 
         executor.start(restore)
 

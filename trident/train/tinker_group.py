@@ -47,6 +47,9 @@ class TinkerGroup:
     async def save_hf(self, out_dir: str) -> str:
         return await self.ranks.call("save_hf", out_dir)
 
+    async def push(self, version: int, urls: list[str], backend: str) -> dict[str, float]:
+        return await self.ranks.call("push", version, urls, backend)
+
     async def close(self) -> None:
         self.ranks.__exit__(None, None, None)
 

@@ -22,6 +22,8 @@ logprobs by ``token_logprobs`` (vocabulary chunks, temperature 1.0), checkpoints
   ``load_state`` equals one without the round trip, bitwise (with ``run.deterministic``).
   An optimizer that has not stepped is saved as none (torch's state-dict API would otherwise
   step it with zero gradients, which counts as a step in Adam's bias correction).
+- ``push`` is ``trident train``'s verified push (``WeightSender``: the probe checked on every
+  server), its sender connected to the servers at the first push.
 
 :class:`LocalTrainer` is the async :class:`Trainer` over one in-process model (world size 1,
 an in-memory process group): every call runs in one worker thread, in the order the calls are
@@ -54,6 +56,7 @@ from trident.train import fsdp, lora
 from trident.train.batch import Batch
 from trident.train.datum import AdamParams, Datum, LoraShape
 from trident.train.recompute import even_micro_batches, token_logprobs
+from trident.train.weight_sender import WeightSender
 
 Outputs = tuple[list[dict[str, torch.Tensor]], dict[str, float]]
 T = TypeVar("T")
@@ -95,6 +98,12 @@ class Trainer(Protocol):
         """On a named ``save_weights_for_sampler``: an HF checkpoint (LoRA merged)."""
         ...
 
+    async def push(self, version: int, urls: list[str], backend: str) -> dict[str, float]:
+        """On ``save_weights_for_sampler`` (and after a restart's replay): the current weights
+        to the servers ``urls`` as ``version``, verified (``WeightSender``, connected to them
+        at the first push)."""
+        ...
+
     async def close(self) -> None:
         """When the model is unloaded: frees it; no call may follow."""
         ...
@@ -134,8 +143,11 @@ class TinkerModel:
         if cfg.run.deterministic:
             fsdp.deterministic_kernels()
         self.cfg, self.device = cfg, fsdp.device()
-        self.tokenizer = load_tokenizer(base_path)
-        with _BUILDING:  # the adapters' initial values come from the seeded (global) RNG
+        # one build at a time: the adapters' initial values come from the seeded (global) RNG,
+        # and two threads importing transformers' lazy modules at once can fail (seen: two
+        # models restored together)
+        with _BUILDING:
+            self.tokenizer = load_tokenizer(base_path)
             torch.manual_seed(cfg.run.seed)
             model = load_causal_lm(base_path, fsdp.MASTER_DTYPE, self.device)
             self.vocab = int(model.config.vocab_size)  # the embedding's rows
@@ -146,6 +158,7 @@ class TinkerModel:
                 model = lora.wrap(model, adapters)
         self.model = fsdp.shard(model, cfg.model.dtype)
         self.opt = self._new_optimizer()
+        self.sender: WeightSender | None = None  # the weight push, made by the first push
 
     def _new_optimizer(self) -> torch.optim.AdamW:
         trained = [p for p in self.model.parameters() if p.requires_grad]
@@ -265,12 +278,28 @@ class TinkerModel:
     def save_hf(self, out_dir: str) -> str:
         return str(lora.save_hf(self.model, self.tokenizer, out_dir))
 
+    def push(self, version: int, urls: list[str], backend: str) -> dict[str, float]:
+        """``WeightSender.push`` of the current weights as ``version`` (collective), verified
+        by the probe; the sender is connected to ``urls`` under ``backend`` (resolved:
+        ``weights.backend.weight_backend``) at the first push."""
+        if self.sender is None:
+            c = self.cfg
+            self.sender = WeightSender(
+                self.rank, self.model, self.tokenizer, c.sync, c.derived.run_dir, backend,
+                engine_dtype=c.model.dtype, seed=c.run.seed,
+            )  # fmt: skip
+            self.sender.connect(urls)
+        return self.sender.push(version, urls)
+
     def pid(self) -> int:
         """This rank's process (a Ray group names it when the rank dies)."""
         return os.getpid()
 
     def release(self) -> None:
-        """Nothing outside the process to delete before a Ray group kills the rank."""
+        """Before a Ray group kills the rank (and when a local trainer closes): the weight
+        sync's bucket files."""
+        if self.sender is not None:
+            self.sender.close()
 
 
 def _check_datum(i: int, datum: Datum, needed: Sequence[str], vocab: int) -> None:
@@ -327,6 +356,9 @@ class LocalTrainer:
     async def save_hf(self, out_dir: str) -> str:
         return await self._run(lambda m: m.save_hf(out_dir))
 
+    async def push(self, version: int, urls: list[str], backend: str) -> dict[str, float]:
+        return await self._run(lambda m: m.push(version, urls, backend))
+
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, self._release)
@@ -335,6 +367,8 @@ class LocalTrainer:
     def _release(self) -> None:
         """In the worker thread, after every call before it: drop the model (and its
         optimizer), so its memory goes back; the process group stays for the next model."""
+        if self._model.done() and self._model.exception() is None:
+            self._model.result().release()
         closed: Future[TinkerModel] = Future()
         closed.set_exception(RuntimeError("this trainer was closed"))
         self._model = closed
