@@ -58,6 +58,7 @@ from trident.tinker.models import (
 )
 from trident.tinker.scheduler import Futures, ModelExecutor, Queued
 from trident.tinker.snapshots import Snapshots
+from trident.weights.faults import fault_point
 
 KINDS = (
     *CREATE_KINDS,
@@ -265,6 +266,8 @@ class TinkerService:
         else:
             result = await model.run(item.kind, item.args, item.request_id)
         self._deliver(item.request_id, result)
+        if item.kind == "forward_backward":  # a test's kill between a step's two halves
+            fault_point("tinker_forward_backward", [model_id])
         every = self.settings.snapshot_every
         if (
             item.kind == "optim_step"
