@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: setup demo demo-gym agent-demo bench-trl test test-slow test-all lint format clean
+.PHONY: setup demo demo-gym agent-demo bench-trl gpu-trainer-check test test-slow test-all lint format clean
 
 setup:
 	@./scripts/setup
@@ -27,6 +27,12 @@ test: setup
 bench-trl: setup
 	$(BIN)/python -m pip install --disable-pip-version-check -q -e ".[bench]"
 	$(BIN)/python benchmarks/vs_trl.py
+
+# On a GPU machine without vLLM, Ray or an index (docs/gpu.md): the wheels scripts/gpu_wheels
+# downloaded into .whl/, then the trainer check; no setup (its python3 is the image's).
+gpu-trainer-check:
+	python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
+	PYTHONPATH=$(CURDIR)/.site:$(CURDIR) python3 scripts/gpu_trainer_check.py --out "$${OUT:-benchmarks/results}"
 
 test-slow: setup
 	$(PYTEST) -m "slow" --timeout=3600 tests

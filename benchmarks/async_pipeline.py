@@ -62,7 +62,8 @@ from trident.pipeline.buffer import GroupTicket, RolloutBuffer
 from trident.pipeline.colocate_async import run_colocate
 from trident.pipeline.gate import WeightGate
 from trident.pipeline.metrics import RolloutStats, pipeline_summary
-from trident.pipeline.separate_async import PartialResponse, PartialRollout, run_separate
+from trident.pipeline.partial import PartialResponse, PartialRollout
+from trident.pipeline.separate_async import run_separate
 from trident.rollout.engine import Completion, SamplingParams
 from trident.sample import Sample
 from trident.telemetry.trace import Trace

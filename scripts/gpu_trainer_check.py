@@ -8,7 +8,8 @@ peak measured in the same call.
 Per shape, each case builds a fresh worker from the same random-init checkpoint and runs one
 warm-up step and three timed ones (the median is reported): trident padded, packed, shared
 prompts, packed + activation checkpointing, LoRA r16 (packed), padded with
-``run.deterministic=true`` (pass/fail), and the floor padded and packed on the same
+``run.deterministic=true`` (pass/fail: torch's deterministic mode on CUDA raises unless
+``CUBLAS_WORKSPACE_CONFIG`` is set, which trident does), and the floor padded and packed on the same
 micro-batches (``trainer_check_parts.floor_step``). Per case: step seconds, tokens/s, peak memory,
 MFU and HFU (FLOPs as ``trainer_check_parts`` counts them), the first step's loss and gradient
 norm (the same weights and batch in every case: trident's cases agree on both within bf16
@@ -44,10 +45,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Before the first cuBLAS call of this process (the matmul peak): the deterministic case turns
-# torch's deterministic mode on, which needs cuBLAS's fixed workspace (trident's own setting,
-# ``train/policy.py``, comes after this process's first matmul here).
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # per-file loading bars, per case
 
 import torch  # noqa: E402
@@ -105,8 +102,9 @@ class Budget:
 class Shape:
     """One model shape's checkpoint, rollouts and the settings every case of it shares."""
 
-    def __init__(self, name: str, spec: dict, work: Path, smoke: bool, device: torch.device):
-        self.name, self.device, self.smoke = name, device, smoke
+    def __init__(self, name: str, spec: dict, work: Path, smoke: bool):
+        self.name, self.smoke = name, smoke
+        self.device = device = torch.device("cpu") if smoke else parts.torch_device()
         self.dtype = "float32" if smoke else "bfloat16"
         self.path = str(work / re.sub(r"\W+", "_", name))
         start = time.perf_counter()
@@ -178,11 +176,13 @@ def trident_case(shape: Shape, overrides: list[str], peak: float) -> dict[str, A
         worker = shape.worker(overrides)
         timing = parts.timed_steps(lambda: worker.train_step(shape.samples), shape.device)
     finally:
-        if "run.deterministic=true" in overrides:
-            torch.use_deterministic_algorithms(False)  # the process's later cases
+        if "run.deterministic=true" in overrides:  # the process's later cases run without it
+            torch.use_deterministic_algorithms(False)
     shared = "trainer.share_prompts=true" in overrides
     padded = "trainer.packing=false" in overrides and not shared
     row = _figures(shape, timing, shape.flops(overrides, padded), peak)
+    if "run.deterministic=true" in overrides:  # trident sets it (train/policy.py), not this script
+        row["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if shared:  # FLOPs are counted on every token, as for the others
         row["note"] = (
             f"each prompt runs once per group: {shape.rollouts['shared_prompt_share']:.0%} of "
@@ -270,9 +270,11 @@ def once_on(shape: Shape, worker: PolicyWorker, overrides: list[str]) -> dict:
     """The weight stream to shared memory, the IPC stand-in and the checkpoint round trip, each
     a finding of its own if it fails."""
     out: dict[str, Any] = {"shape": shape.name}
+    # the head goes out as the embedding when tied (as WeightSender sends it)
+    tied = bool(getattr(worker.model.config, "tie_word_embeddings", False))
     measures = {
-        "stream": lambda: parts.weight_stream(worker.model, worker.tied, torch.bfloat16),
-        "ipc": lambda: parts.ipc_round_trip(worker.model, worker.tied, torch.bfloat16),
+        "stream": lambda: parts.weight_stream(worker.model, tied, torch.bfloat16),
+        "ipc": lambda: parts.ipc_round_trip(worker.model, tied, torch.bfloat16),
         "round_trip": lambda: round_trip(shape, worker, overrides),
     }
     for key, measure in measures.items():
@@ -285,7 +287,7 @@ def once_on(shape: Shape, worker: PolicyWorker, overrides: list[str]) -> dict:
 
 def round_trip(shape: Shape, worker: PolicyWorker, overrides: list[str]) -> dict[str, Any]:
     """``save_state``, then a fresh worker's ``load_state``: parameters and AdamW moments
-    bit-equal, and the next step's loss the same on both."""
+    bit-equal, and the next step's gradient norm the same on both."""
     ckpt = Path(shape.path).parent / "round_trip"
     try:
         start = time.perf_counter()
@@ -296,11 +298,13 @@ def round_trip(shape: Shape, worker: PolicyWorker, overrides: list[str]) -> dict
         fresh.load_state(str(ckpt))
         loaded = time.perf_counter() - start
         same = parts.same_training_state(worker, fresh)
-        losses = [w.train_step(shape.samples)["loss"] for w in (worker, fresh)]
+        # the next step from both: its gradient norm depends on every weight (its loss does not:
+        # the ratio is 1 at a step's start); on a GPU, atomics in backward may move its last bits
+        norms = [w.train_step(shape.samples)["grad_norm"] for w in (worker, fresh)]
         fresh.release()
         return same | {
             "save_s": saved, "load_s": loaded, "gb": parts.directory_gb(ckpt),
-            "next_step_loss_equal": losses[0] == losses[1],
+            "next_step_grad_norms": norms, "next_step_bit_equal": norms[0] == norms[1],
         }  # fmt: skip
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -351,41 +355,77 @@ def main() -> int:
     if device.type != "cuda" and not args.smoke:
         print("gpu_trainer_check: no CUDA device; --smoke checks the script on CPU")
         return 2
-    result: dict[str, Any] = {"smoke": args.smoke, "budget_s": args.budget_s}
-    result["environment"] = environment(device)
-    peak = parts.matmul_peak(device, torch.float32 if args.smoke else torch.bfloat16,
-                             512 if args.smoke else 8192)  # fmt: skip
-    result["matmul_peak"] = peak
-    shapes = SMOKE_SHAPES if args.smoke else GPU_SHAPES
-    rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="trident-trainer-check-") as tmp:
-        work = Path(tmp)
-        first = Shape(*shapes[0][:2], work, args.smoke, device)
-        result["shapes"] = {first.name: first.describe()}
-        first_rows, result["once"] = run_shape(first, shapes[0][2], peak["tflops"], budget, True)
-        rows += first_rows
-        result["sft"] = sft(first, work, args.sft_steps or (2 if args.smoke else 20), budget)
-        tokens = [256] if args.smoke else [1024, 4096, 8192, 16384]
-        result["logprob_memory"] = parts.logprob_memory(
-            tokens, device, torch.float32 if args.smoke else torch.bfloat16
-        )
-        for name, spec, large in shapes[1:]:
-            need = LARGE_MIN_LEFT_S if large and not args.smoke else 0
-            if budget.refuses(need):
-                rows.append({"shape": name, "case": "all", "error": budget.refuses(need)})
-                continue
-            shape = Shape(name, spec, work, args.smoke, device)
-            result["shapes"][name] = shape.describe()
-            rows += run_shape(shape, large, peak["tflops"], budget)[0]
-    result["cases"] = rows
-    result["elapsed_s"] = args.budget_s - budget.left()
+    half = torch.float32 if args.smoke else torch.bfloat16
+    peak = parts.matmul_peak(device, half, 512 if args.smoke else 8192)
+    result: dict[str, Any] = {"smoke": args.smoke, "budget_s": args.budget_s,
+                              "environment": environment(device), "matmul_peak": peak,
+                              "shapes": {}, "cases": [], "once": None}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_trainer_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    shapes = SMOKE_SHAPES if args.smoke else GPU_SHAPES
+    with tempfile.TemporaryDirectory(prefix="trident-trainer-check-") as tmp:
+        work = Path(tmp)
+        first = measure_shape(result, shapes[0], work, args.smoke, budget, once=True)
+        if first is not None:
+            steps = args.sft_steps or (2 if args.smoke else 20)
+            result["sft"] = _guarded(lambda: sft(first, work, steps, budget))
+        tokens = [256] if args.smoke else [1024, 4096, 8192, 16384]
+        refused = budget.refuses()
+        result["logprob_memory"] = (
+            {"error": refused}
+            if refused
+            else _guarded(lambda: parts.logprob_memory(tokens, device, half))
+        )
+        save(result, out, budget)  # what is measured so far, should a later shape kill the call
+        for entry in shapes[1:]:
+            measure_shape(result, entry, work, args.smoke, budget)
+            save(result, out, budget)
     table = render(result)
     (out / "gpu_trainer_check.md").write_text(table + "\n")
     print(table)
-    return 1 if any("error" in r and not r["error"].startswith("skipped") for r in rows) else 0
+    failed = [r for r in result["cases"] if not r.get("error", "skipped").startswith("skipped")]
+    return 1 if failed else 0
+
+
+def measure_shape(
+    result: dict[str, Any],
+    entry: tuple,
+    work: Path,
+    smoke: bool,
+    budget: Budget,
+    once: bool = False,
+) -> Shape | None:
+    """One shape's checkpoint and cases into ``result``; None if it could not be built."""
+    name, spec, large = entry
+    need = LARGE_MIN_LEFT_S if large and not smoke else 0
+    refused = budget.refuses(need)
+    if refused:
+        result["cases"].append({"shape": name, "case": "all", "error": refused})
+        return None
+    try:
+        shape = Shape(name, spec, work, smoke)
+    except Exception as e:  # e.g. out of memory or disk: the next shapes still run
+        result["cases"].append({"shape": name, "case": "all", "error": _error(e)})
+        _free_memory()
+        return None
+    result["shapes"][name] = shape.describe()
+    rows, measured_once = run_shape(shape, large, result["matmul_peak"]["tflops"], budget, once)
+    result["cases"] += rows
+    if once:
+        result["once"] = measured_once
+    return shape
+
+
+def _guarded(measure: Any) -> Any:
+    try:
+        return measure()
+    except Exception as e:
+        return {"error": _error(e)}
+
+
+def save(result: dict[str, Any], out: Path, budget: Budget) -> None:
+    result["elapsed_s"] = result["budget_s"] - budget.left()
+    (out / "gpu_trainer_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
 
 
 def sft(shape: Shape, work: Path, steps: int, budget: Budget) -> dict[str, Any]:
@@ -437,8 +477,8 @@ def render(result: dict[str, Any]) -> str:
     for key in ("round_trip", "stream", "ipc"):
         if key in once:
             lines.append(f"- {key}: {json.dumps(once[key], default=str)}")
-    lines.append(f"- trident sft: {json.dumps(result['sft'], default=str)}")
-    lines.append(f"- logprob memory: {json.dumps(result['logprob_memory'])}")
+    lines.append(f"- trident sft: {json.dumps(result.get('sft'), default=str)}")
+    lines.append(f"- logprob memory: {json.dumps(result['logprob_memory'], default=str)}")
     return "\n".join(lines)
 
 

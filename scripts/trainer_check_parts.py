@@ -94,7 +94,8 @@ def synthetic_rollouts(
     return samples
 
 
-def rollout_figures(samples: list[Sample], micro_batch_tokens: int) -> dict[str, int]:
+def rollout_figures(samples: list[Sample], micro_batch_tokens: int) -> dict[str, float]:
+    """The batch's sizes: tokens, the share a shared-prompt pass computes, padded slots."""
     lengths = [len(s.token_ids) for s in samples]
     padded = micro_batches(lengths, micro_batch_tokens)
     prompts = {s.group_id: s.prompt_len for s in samples}
@@ -139,7 +140,8 @@ def step_flops(
     (``slots``: the positions a padded layout computes)."""
     d, layers, width, _, _, vocab = _dims(config)
     n, tokens = matmul_parameters(config), sum(lengths)
-    attention = 6 * layers * width * sum(s * s for s in lengths) / 2  # causal: half the grid
+    # QKᵀ and AV: 4·s²·width forward, halved by the causal mask, x3 with the backward
+    attention = 6 * layers * width * sum(s * s for s in lengths)
     model = (4 if lora else 6) * n * tokens + attention
     hardware = model + (4 if lora else 6) * n * max(0, (slots or tokens) - tokens)
     if ac:

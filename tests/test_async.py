@@ -27,8 +27,8 @@ from trident.models.factory import init_model
 from trident.models.load import encode_chat, load_causal_lm, load_tokenizer, prompt_messages
 from trident.pipeline.gate import WeightGate
 from trident.pipeline.metrics import RolloutStats
+from trident.pipeline.partial import PartialRollout
 from trident.pipeline.run import run_train
-from trident.pipeline.separate_async import PartialRollout
 from trident.rollout.engine import SamplingParams, VLLMClient
 from trident.rollout.router import Router
 from trident.rollout.vllm_server import VLLMServer

@@ -21,7 +21,8 @@ from tests.conftest import REPO
 from trident.pipeline.buffer import GroupTicket, RolloutBuffer, StalenessError
 from trident.pipeline.gate import WeightGate
 from trident.pipeline.metrics import RolloutStats
-from trident.pipeline.separate_async import PartialResponse, PartialRollout, run_separate
+from trident.pipeline.partial import PartialResponse, PartialRollout
+from trident.pipeline.separate_async import run_separate
 from trident.pipeline.sync import run_sync
 from trident.rollout.engine import EngineError, SamplingParams
 from trident.sample import Sample

@@ -95,7 +95,7 @@ def test_every_expected_error_is_a_class_of_the_module_named_for_it():
     must be an exception class defined in that module, or it would never print one line."""
     import importlib
 
-    from trident.cli import _EXPECTED_ERRORS
+    from trident.cli.main import _EXPECTED_ERRORS
 
     for module, names in _EXPECTED_ERRORS.items():
         for name in names:

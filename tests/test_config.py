@@ -125,7 +125,7 @@ def test_override_syntax_error_is_one_line():
 def test_sync_tolerance_defaults_to_the_dtype():
     """The probe's tolerance, unset, is float32's 2e-3 or half precision's wider bound; a
     value given is kept either way."""
-    from trident.config.checks import HALF_PRECISION_TOLERANCE
+    from trident.config.root import HALF_PRECISION_TOLERANCE
 
     assert load_config([], []).sync.tolerance == 2e-3
     assert load_config([], ["model.dtype=bfloat16"]).sync.tolerance == HALF_PRECISION_TOLERANCE

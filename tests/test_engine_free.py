@@ -85,7 +85,7 @@ print(json.dumps({{"refused": refused, "engines": engines}}))
     assert seen["engines"] == []
 
 
-def test_model_init_and_sft_run_without_the_engines(tiny, tmp_path):
+def test_model_init_sft_and_eval_dry_run_run_without_the_engines(tiny, tmp_path):
     assert (tiny / "config.json").is_file()  # trident model init, under the same condition
     r = _cli(
         "sft",
@@ -103,6 +103,8 @@ def test_model_init_and_sft_run_without_the_engines(tiny, tmp_path):
         for line in (tmp_path / "sft" / "sft_metrics.jsonl").read_text().splitlines()
     ]
     assert len(losses) == 2
+    r = _cli("eval", f"model.path={tiny}", f"run.dir={tmp_path}", "--dry-run")  # before vLLM
+    assert r.returncode == 0 and "model:" in r.stderr, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize(

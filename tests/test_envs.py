@@ -16,12 +16,12 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from trident.cli.envs import register
 from trident.config import load_config
 from trident.data.loaders import load_rows
 from trident.data.tasks import split_of
 from trident.envs import REGISTRY, env_rows, get_spec, make_env
 from trident.envs.calc_lookup import CalcLookupEnv
-from trident.envs.cli import register
 from trident.envs.task import TaskEnv
 from trident.models.load import load_tokenizer
 from trident.tools.parsers import AssistantTurn, ToolCall

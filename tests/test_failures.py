@@ -295,12 +295,13 @@ def test_a_process_that_ignores_its_parents_death_is_killed_after_the_grace(tmp_
 
 
 STUCK_UNWIND = """
-import signal, time
-import trident.cli as cli
+import signal, sys, time
+import trident.cli.main
+cli = sys.modules["trident.cli.main"]  # the module: trident.cli.main is also the package's main()
 cli.UNWIND_DUMP_S = 1
 signal.signal(signal.SIGTERM, cli._raise_terminated)
-print("up", flush=True)
-try:
+try:  # "up" inside: a SIGTERM right after it is caught too
+    print("up", flush=True)
     time.sleep(60)
 except cli.Terminated:
     time.sleep(3)  # an unwind that hangs
@@ -318,7 +319,7 @@ def test_an_unwind_after_sigterm_that_hangs_prints_every_threads_stack():
     assert proc.stdout is not None and proc.stdout.readline() == "up\n"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert "Thread 0x" in err and 'File "<string>", line 10' in err  # the hung line
+    assert "Thread 0x" in err and 'File "<string>", line 11' in err  # the hung line
 
 
 def test_a_hang_dump_says_which_process_is_stopped(tmp_path):

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from tests.conftest import run_cli
+from trident.cli.data import register, task_names
 from trident.config import load_config
-from trident.data.cli import register, task_names
 from trident.data.loaders import load_split
 from trident.rewards import RewardSum
 

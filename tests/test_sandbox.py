@@ -20,8 +20,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 from tests.test_sandbox_security import SLACK_S, removing_runtime_dirs
+from trident.cli import sandbox as sandbox_cli
 from trident.sandbox import SandboxResult, SessionClosedError
-from trident.sandbox import cli as sandbox_cli
 from trident.sandbox.base import classify
 from trident.sandbox.bwrap import BwrapSandbox
 from trident.sandbox.pool import SandboxPool
@@ -232,7 +232,7 @@ def start_service() -> Iterator[tuple[RemoteSandbox, subprocess.Popen]]:
     port = _free_port()
     command = ["sandbox", "serve", "--port", str(port), "--warm-sessions", "1"]
     with removing_runtime_dirs():  # tests kill the service with SIGKILL
-        proc = subprocess.Popen([sys.executable, "-m", "trident.sandbox.cli", *command], cwd=REPO)
+        proc = subprocess.Popen([sys.executable, "-m", "trident.cli.sandbox", *command], cwd=REPO)
         client = RemoteSandbox(f"http://127.0.0.1:{port}", slack_s=3.0, retries=2, backoff_s=0.1)
         try:
             deadline = time.monotonic() + 60

@@ -224,7 +224,6 @@ def test_a_server_killed_for_memory_stops_the_run_in_one_line():
 
     class Fleet:  # the owner of the servers, whose restart meets the monitor's kill
         nodes: dict[str, str] = {}
-        plan = None
 
         async def restart(self, i: int) -> VLLMClient:
             raise killed

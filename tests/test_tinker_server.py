@@ -3,7 +3,7 @@ client against it under uvicorn on 127.0.0.1.
 
 The service behind it here is ``StandIn``: the ``TinkerService`` interface answered from memory,
 so that every status code can be provoked (a conflict, an expired or pending future, a failed
-request). The end-to-end test against the journaled service itself belongs with that service.
+request). ``test_tinker_sdk.py`` runs the SDK against the journaled service and real trainer.
 """
 
 import asyncio
@@ -50,6 +50,12 @@ class StandIn:
         self.models: dict[str, dict] = {}
         self.pending: set[str] = set()
         self.expired: set[str] = set()
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
     def client_config(self) -> dict:
         return self.flags

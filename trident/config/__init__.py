@@ -1,7 +1,7 @@
 """Typed configuration (pydantic). Importable without torch."""
 
 from trident.config.loader import ConfigError, dump_config, load_config, parse_override, save_config
-from trident.config.schema import TridentConfig
+from trident.config.root import TridentConfig
 
 __all__ = [
     "ConfigError",

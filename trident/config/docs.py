@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from trident.config.schema import TridentConfig
+from trident.config.root import TridentConfig
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 

@@ -15,7 +15,7 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from trident.config.schema import TridentConfig
+from trident.config.root import TridentConfig
 
 
 class ConfigError(ValueError):

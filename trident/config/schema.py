@@ -1,8 +1,8 @@
 """trident's one configuration tree: typed sections, documentation and bounds on each field.
 
-Every command reads the same tree and uses the sections it needs. Derived sizes live in
-``TridentConfig.derived`` (computed once from the rest); cross-section rules that would only fail
-deep inside a run are checked here, before anything heavy starts.
+Every command reads the same tree and uses the sections it needs. This module holds the
+sections; their root, ``TridentConfig``, with its derived sizes and the rules across sections, is
+``trident.config.root``.
 """
 
 from __future__ import annotations
@@ -13,13 +13,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    computed_field,
     field_validator,
     model_validator,
 )
-
-from trident.config.algo import AlgoConfig
-from trident.config.tinker import TinkerConfig
 
 
 class Section(BaseModel):
@@ -595,54 +591,3 @@ class TelemetryConfig(Section):
         ge=0,
         description="Characters of each prompt and response kept in the sample lineage (0 = whole texts).",
     )
-
-
-class Derived(BaseModel):
-    samples_per_step: int
-    total_samples: int
-    run_dir: str
-
-
-class TridentConfig(Section):
-    """The whole configuration; each command uses the sections it needs."""
-
-    run: RunConfig = Field(default_factory=RunConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    algo: AlgoConfig = Field(default_factory=AlgoConfig)
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    sync: SyncConfig = Field(default_factory=SyncConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    sft: SFTConfig = Field(default_factory=SFTConfig)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
-    tinker: TinkerConfig = Field(default_factory=TinkerConfig)
-
-    @computed_field
-    @property
-    def derived(self) -> Derived:
-        per_step = self.pipeline.prompts_per_step * self.rollout.n
-        return Derived(
-            samples_per_step=per_step,
-            total_samples=per_step * self.pipeline.steps,
-            run_dir=f"{self.run.dir.rstrip('/')}/{self.run.name}",
-        )
-
-    @property
-    def response_budget(self) -> int:
-        """Max model-written tokens of one sample: L_max of the overlong penalty."""
-        return self.env.max_response_tokens if self.env.name else self.rollout.max_tokens
-
-    @model_validator(mode="after")
-    def _check_combinations(self) -> TridentConfig:
-        from trident.config.checks import combination_errors, fill_dependent_defaults
-
-        fill_dependent_defaults(self)
-        if errors := combination_errors(self):
-            raise ValueError("; ".join(errors))
-        return self

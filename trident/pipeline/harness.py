@@ -51,6 +51,7 @@ from trident.pipeline.gate import WeightGate
 from trident.pipeline.groups import GroupRollout, SignalFilter, split_rows, trainable
 from trident.pipeline.ledger import DISCARD_REASONS, Ledger
 from trident.pipeline.ledger import LedgerError as LedgerError  # raised by ``account``
+from trident.pipeline.members import Membership, Rejoiner
 from trident.pipeline.metrics import (
     TRAINER_BUSY,
     RolloutStats,
@@ -60,11 +61,12 @@ from trident.pipeline.metrics import (
     staleness_metrics,
     trained_metrics,
 )
+from trident.pipeline.partial import PartialResponse
 from trident.pipeline.progress import StepProgress
-from trident.pipeline.recovery import Elastic, Rejoiner, ServerRecovery, ServerRestarter
+from trident.pipeline.recovery import ServerRecovery, ServerRestarter
 from trident.pipeline.stages import GroupMaker, Schedule, Trainer
 from trident.pipeline.watchdog import Watchdog
-from trident.rollout.engine import EngineError, FinishReason, RolloutEngine, SamplingParams
+from trident.rollout.engine import EngineError, RolloutEngine, SamplingParams
 from trident.rollout.fleet import clients
 from trident.rollout.router import Router
 from trident.sample import Sample
@@ -89,19 +91,6 @@ class RunTrainer(Trainer, Rejoiner, Protocol):
     async def load(self, ckpt_dir: Path) -> None:
         """Called by ``begin`` on resume, before the first install."""
         ...
-
-
-@dataclass
-class PartialResponse:
-    """One response so far (``separate_async.PartialRollout``): what a checkpoint keeps of a
-    request in flight."""
-
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    resumes: int = 0
-    finish: FinishReason | None = None  # set once the response is complete
-    server: str = ""  # the server of the latest segment
 
 
 @dataclass
@@ -152,8 +141,14 @@ class RunHarness:
         )
         rc = cfg.rollout
         model = router.clients[0].model  # a joiner serves the policy as the others do
-        elastic = Elastic(
-            self.run_dir, lambda url: clients(cfg, [url], model)[0], rc.min_servers, rc.max_servers
+        members = Membership(
+            router,
+            self.gate,
+            trainer,
+            self.run_dir,
+            lambda url: clients(cfg, [url], model)[0],
+            rc.min_servers,
+            rc.max_servers,
         )
         self.recovery = ServerRecovery(
             router,
@@ -164,7 +159,7 @@ class RunHarness:
             rc.health_check_s,
             self.trace,
             liveness_timeout_s=rc.liveness_timeout_s,
-            elastic=elastic,
+            members=members,
         )
         self.signal = SignalFilter(p.dynamic_sampling_max_dropped or 2 * p.prompts_per_step)
         self.progress = StepProgress(p.steps, enabled=cfg.telemetry.progress)

@@ -1,62 +1,22 @@
 """A dead rollout server survived: taken out at once, restarted, brought to the served weights,
-back in.
+back in. The whole story, with what each step was tested and measured by: ``docs/failures.md``
+("Recovering a rollout server").
 
-1. **Detection.** A request that fails asks the server's ``/health``; a server that does not
-   answer is taken out of the router at once (``Router.failed``), and the periodic check
-   (``rollout.health_check_s``) takes out one that fails two checks in a row even while nothing
-   is sent to it.
+1. **Detection**: a failed request whose server's ``/health`` does not answer, two missed
+   periodic checks (``rollout.health_check_s``), or a frozen engine: requests of ours pending
+   and no engine progress for ``rollout.liveness_timeout_s`` (``Liveness``; why a live server
+   cannot trip it is argued in the doc).
+2. **Resubmission**: the failed request goes to a server that is up, a streamed sample from its
+   prefix (``trident.pipeline.partial``), a whole group from its prompt.
+3. **Restart**: on the same node and port (``ServerRestarter.restart``), at most
+   ``rollout.max_restarts`` times per server, else the run stops with the server's log tail.
+4. **Rejoin**: rank 0 pushes the kept copy of the served version and verifies it
+   (``Rejoiner.rejoin``) under the weight gate's lock, then the router sends to it again.
 
-   A frozen server is a dead one. A stopped (``SIGSTOP``) or wedged engine core leaves its API
-   server answering ``/health``, so liveness is checked by the engine's work instead
-   (``Liveness``): a server that has requests of ours pending (``VLLMClient.outstanding``) and
-   whose engine makes no progress for ``rollout.liveness_timeout_s`` (read from ``/metrics``
-   every fifth of that: tokens prefilled, tokens generated, KV-cache usage;
-   ``VLLMClient.progress``) is taken out like a dead one; its restart kills its process group.
-   Why a live server cannot trip it: a busy one progresses every engine step, whatever its
-   queue. With a full batch, the running requests decode a token each step (vLLM schedules
-   its running requests before any waiting one), so the generated-token count moves however
-   long the waiting queue; a long prompt is prefilled in chunks alongside those decodes, and
-   each chunk takes KV-cache blocks (usage moves) before the prompt's first token counts; the
-   only step with none of these is
-   one whose requests are all mid-prefill, bounded by one ``max_model_len`` prompt's prefill,
-   seconds where the default timeout is a minute. A paused server has none of ours pending: the
-   weight gate drains (aborts and awaits) every request before a sync pauses the servers, and
-   an idle one has none either, so neither is judged. A frozen API server no longer answers
-   ``/health`` (nor ``/metrics``) and is taken out by the health check after two misses.
-2. **Resubmission.** The request that failed is sent again to a server that is up: a streamed
-   sample from the prefix it had already received (``separate_async.PartialRollout``: every
-   token keeps the version that produced it), a whole group again from its prompt (``sync``,
-   ``colocate_async``, eval). Token in, token out: nothing is re-tokenized, nothing is counted
-   twice (a failed request returned no tokens). With every server down, requests wait.
-3. **Restart.** The server's actor stops what is left of it (the whole process group) and
-   starts it again on the same node and port (``RolloutFleet.restart``), at most
-   ``rollout.max_restarts`` times per server; after that, or if it does not come back, the run
-   stops with the server's log tail (killed by Ray's memory monitor: with that one line).
-4. **Rejoin.** The restarted server serves the start-up weights, so rank 0 pushes it its kept
-   copy of the version being served (``WeightSync.rejoin``: whatever the trainer has learned
-   since is not in it) and verifies it with that version's probe, like every sync. This holds the
-   weight gate's lock, so no weight update runs meanwhile; then the router sends to it again. A
-   server that dies during its rejoin (it no longer answers ``/health``) is restarted again,
-   within ``rollout.max_restarts``.
-
-5. **Join and leave** (``members``): every second the run directory's ``fleet/`` is read for
-   servers asking to join or leave (``trident.rollout.membership``). A joiner is brought to the
-   served version like a restarted server (the kept copy, pushed and verified, under the weight
-   gate's lock) and only then routed to; a leaver gets no new request, and is answered once its
-   requests in flight have finished where they were. A server this run did not start (attached,
-   joined) that dies is left out, not restarted. With fewer than ``rollout.min_servers`` up the
-   run waits for a joiner, saying so; with ``min_servers=0`` (the default) and none up it stops.
-
-Each recovery is timed (detected -> back in) into ``rollout/recovery_s``; ``rollout/restarts``
-counts them over the run; ``rollout/servers`` is the servers up at each step. It is also a
-``restart`` span on the server in the run's trace, so a hang during one is reported as that
-stage.
-
-Simplifications: the server restarts where its actor lives (a lost node is not replaced); a
-weight update that fails because a server died during it is repeated once without that server
-(``WeightGate.update``), a second failure stops the run (resume it with ``--resume``); only the shm
-weight backend can bring a server back (the GPU backends stop the run); an environment's
-trajectory on a dead server ends as ``infra_error`` (counted by the ledger, not trained).
+Servers that join and leave are ``trident.pipeline.members``. Each recovery is timed into
+``rollout/recovery_s`` and is a ``restart`` span in the trace. Simplifications: a lost node is
+not replaced; a weight update that a dying server fails is repeated once without it; only the
+shm weight backend can bring a server back.
 """
 
 from __future__ import annotations
@@ -66,32 +26,17 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from trident.cluster.ray_cluster import out_of_memory
 from trident.pipeline.gate import WeightGate
-from trident.rollout import membership
+from trident.pipeline.members import NONE_UP, Membership, Rejoiner, ServerDiedError
 from trident.rollout.engine import VLLMClient
 from trident.rollout.router import Router
 from trident.rollout.vllm_server import log_tail
 from trident.telemetry.trace import Trace
 from trident.train.group import TrainerRankError
-
-
-@dataclass
-class Elastic:
-    """Servers joining and leaving the run (module docstring, 5.)."""
-
-    run_dir: Path  # whose ``fleet/`` joiners and leavers write to
-    client: Callable[[str], VLLMClient]  # a client for a joiner's url
-    min_servers: int = 0  # rollout.min_servers
-    max_servers: int = 0  # rollout.max_servers (0: any)
-
-
-class ServerDiedError(RuntimeError):
-    """A rollout server died and could not be brought back (or did so too often)."""
 
 
 class ServerRestarter(Protocol):
@@ -104,14 +49,6 @@ class ServerRestarter(Protocol):
         ...
 
     def log_path(self, i: int) -> Path: ...
-
-
-class Rejoiner(Protocol):
-    """The trainer as recovery uses it (``trident.train.group.TrainerGroup``)."""
-
-    async def rejoin(self, url: str) -> dict[str, float]:
-        """Called once a restarted server answers: push it the served version, verified."""
-        ...
 
 
 class Liveness:
@@ -149,22 +86,20 @@ class ServerRecovery:
         trace: Trace | None = None,
         clock: Callable[[], float] = time.monotonic,
         liveness_timeout_s: float = 0.0,
-        elastic: Elastic | None = None,
+        members: Membership | None = None,
     ) -> None:
         """``fleet``: what restarts the servers this run started (None: it started none);
-        ``elastic``: where joiners ask, and the fleet's bounds (None: no joining)."""
+        ``members``: the servers joining and leaving (None: no joining)."""
         self.router, self.gate, self.trainer, self.fleet = router, gate, trainer, fleet
         self.trace = trace or Trace()  # a recovery is a span (``restart``) the watchdog can name
         self.max_restarts, self.health_check_s, self.clock = max_restarts, health_check_s, clock
         self.liveness_timeout_s = liveness_timeout_s
-        self.elastic = elastic
+        self.members = members
         self.owned = len(router.clients) if fleet is not None else 0  # servers we can restart
         self.restarts: Counter[int] = Counter()
         self.last_recovery_s: float | None = None  # detected -> back in, the latest recovery
         self._tasks: set[asyncio.Task] = set()
-        self._asked: set[Path] = set()  # join and leave requests being answered
         router.on_down = self.down
-        router.min_up = max(1, elastic.min_servers if elastic else 0)
 
     def down(self, i: int) -> None:
         """``Router.on_down``: server ``i`` was taken out; restart it (or give up)."""
@@ -238,102 +173,16 @@ class ServerRecovery:
         )
 
     def _short_of_servers(self) -> None:
-        """After a server left or was left out: wait for joiners, saying so, or stop the run."""
-        up, need = sum(self.router.up), self.router.min_up
-        if up >= need:
-            return
-        if self.elastic is None or self.elastic.min_servers == 0:
-            if not up:
-                self.router.give_up(
-                    ServerDiedError(
-                        "no rollout server is up, and none can be restarted (with "
-                        "rollout.min_servers=1 the run would wait for `trident rollout serve "
-                        "--join RUN_DIR`)"
-                    )
-                )
-            return
-        print(
-            f"waiting for rollout servers: {up} up, rollout.min_servers={need}; join one with "
-            f"`trident rollout serve --join {self.elastic.run_dir}`",
-            file=sys.stderr,
-            flush=True,
-        )
+        """After a server was left out: wait for joiners (``Membership``), or stop the run."""
+        if self.members is not None:
+            self.members.short_of_servers()
+        elif not any(self.router.up):
+            self.router.give_up(ServerDiedError(NONE_UP))
 
     async def watch(self) -> None:
         """The periodic checks, until cancelled: health, liveness, joiners and leavers."""
-        await asyncio.gather(self._health(), self._liveness(), self._members())
-
-    async def _members(self) -> None:
-        """Every second: answer the servers asking to join or leave (module docstring, 5.)."""
-        if self.elastic is None:
-            return
-        self._short_of_servers()  # e.g. rollout.min_servers above the servers it started with
-        membership.open_fleet(self.elastic.run_dir)
-        while True:
-            for kind, url, request in membership.pending(self.elastic.run_dir):
-                if request in self._asked:
-                    continue
-                self._asked.add(request)
-                handle = self._join if kind == "join" else self._leave
-                task = asyncio.get_running_loop().create_task(handle(url.rstrip("/"), request))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            await asyncio.sleep(1.0)
-
-    async def _join(self, url: str, request: Path) -> None:
-        assert self.elastic is not None
-        t0 = self.clock()
-        here = [i for i in self._at(url) if self.router.up[i]]
-        if here:  # already routed to
-            membership.answer(
-                request, "joined", index=here[0], version=self.gate.version, seconds=0.0
-            )
-            return
-        cap = self.elastic.max_servers
-        if cap and sum(self.router.up) >= cap:
-            membership.answer(request, "refused", reason=f"rollout.max_servers={cap} are up")
-            return
-        client = self.elastic.client(url)
-        try:
-            async with self.gate.exclusive():  # no weight update between rejoin and routing
-                await self.trainer.rejoin(url)
-                i = self.router.add(client)
-                version = self.gate.version
-        except Exception as e:
-            await client.aclose()
-            membership.answer(request, "refused", reason=f"{type(e).__name__}: {e}")
-            if isinstance(e, TrainerRankError):
-                self.router.give_up(e)
-            return
-        seconds = self.clock() - t0
-        membership.answer(request, "joined", index=i, version=version, seconds=seconds)
-        print(
-            f"rollout server {i} ({url}) joined at weight version {version} in {seconds:.1f} s",
-            file=sys.stderr,
-        )
-
-    async def _leave(self, url: str, request: Path) -> None:
-        t0 = self.clock()
-        here = self._at(url)
-        i = here[-1] if here else None
-        if i is not None and i not in self.router.retired:
-            self.router.retire(i)
-            client = self.router.clients[i]
-            pending = client.outstanding
-            while client.outstanding:  # its requests in flight finish where they are
-                await asyncio.sleep(0.1)
-            seconds = self.clock() - t0
-            print(
-                f"rollout server {i} ({url}) left after {seconds:.1f} s "
-                f"({pending} requests in flight finished)",
-                file=sys.stderr,
-            )
-            self._short_of_servers()
-        membership.answer(request, "left", seconds=self.clock() - t0)
-
-    def _at(self, url: str) -> list[int]:
-        """The router's indices of the server at ``url`` (one per time it was added)."""
-        return [i for i, c in enumerate(self.router.clients) if c.url == url]
+        members = [self.members.watch()] if self.members is not None else []
+        await asyncio.gather(self._health(), self._liveness(), *members)
 
     async def _health(self) -> None:
         """Every ``rollout.health_check_s``: take out a server that failed two checks in a row."""
@@ -401,8 +250,8 @@ class ServerRecovery:
         return f"its log ({self.fleet.log_path(i)}) ends:\n{log_tail(self.fleet.log_path(i))}"
 
     async def close(self) -> None:
-        if self.elastic is not None:
-            membership.close_fleet(self.elastic.run_dir)
+        if self.members is not None:
+            await self.members.close()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

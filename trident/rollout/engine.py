@@ -44,7 +44,7 @@ class Completion:
     finish_reason: FinishReason
     weight_version: int = 0
     # the policy version of each token, where they differ along one completion (a request
-    # resumed across weight updates: ``trident.pipeline.separate_async.PartialRollout``)
+    # resumed across weight updates: ``trident.pipeline.partial.PartialRollout``)
     versions: list[int] | None = None
 
 

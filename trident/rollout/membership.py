@@ -1,7 +1,7 @@
 """Servers joining and leaving a running job, through files in its run directory.
 
 A server that joins (``trident rollout serve --join RUN_DIR``) writes ``fleet/<id>.join`` with its
-url; the run's driver (``trident.pipeline.recovery.ServerRecovery.members``) finds it within a
+url; the run's driver (``trident.pipeline.members.Membership``) finds it within a
 second, brings the server to the served weight version (pushed and verified like every sync) and
 only then routes to it, and answers ``fleet/<id>.joined`` (or ``.refused``, with the reason). A
 server that leaves (SIGTERM to the joiner, or ``trident rollout leave URL RUN_DIR`` for any

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -70,8 +71,19 @@ class NotServed(Exception):
 
 
 def create_app(service: TinkerService, cfg: TinkerConfig, long_poll_s: float = 30.0) -> FastAPI:
-    """The HTTP app over ``service``; ``long_poll_s`` bounds one ``retrieve_future`` wait."""
-    app = FastAPI(title="trident tinker", docs_url=None, redoc_url=None, openapi_url=None)
+    """The HTTP app over ``service``; ``long_poll_s`` bounds one ``retrieve_future`` wait. Its
+    lifespan (uvicorn's start and stop) starts the service, so a previous life's journal is
+    replaying before the first request, and closes it."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        yield
+        await service.close()
+
+    app = FastAPI(
+        title="trident tinker", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     _add_error_mapping(app)
     _add_auth_and_last_resort(app, cfg)
     _add_handshake(app, service)

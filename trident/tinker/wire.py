@@ -54,6 +54,7 @@ import zstandard
 from tinker import types as sdk
 from tinker.proto import tinker_public_pb2 as pb
 
+from trident.tinker.journal import model_id_of
 from trident.train.datum import AdamParams, Datum, LoraShape
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
@@ -184,11 +185,6 @@ def training_run_response(info: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- training calls ----------------------------------------------------------------------------
-
-
-def model_id_of(session_id: str, model_seq_id: int) -> str:
-    """A new model's id: the SDK derives the same string itself for create-via-load."""
-    return f"{session_id}:train:{model_seq_id}"
 
 
 def decode_call(

@@ -125,9 +125,8 @@ def deterministic_kernels() -> None:
 
     On CUDA, torch's deterministic mode raises at the first cuBLAS matmul unless cuBLAS runs
     with a fixed workspace (``CUBLAS_WORKSPACE_CONFIG``, NVIDIA's cuBLAS docs, "Results
-    reproducibility"). cuBLAS reads it when its first handle is made, so it is set here, before
-    the worker's first matmul; a value the user set is kept, and a process that ran a matmul
-    before building the worker must set it itself (scripts/gpu_trainer_check.py does)."""
+    reproducibility"). The workspace is sized at the process's first cuBLAS call, so it is set
+    here, before a rank's first matmul; a value the user set is kept."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     deterministic = torch.utils.deterministic

@@ -12,7 +12,8 @@ A training step, given the step's scored Samples (the same list on every rank), 
 4. reduce: the ranks' metric sums become the step's metrics.
 
 The worker also saves and loads the training state; its weight push to the rollout servers is
-its ``WeightSender`` (:mod:`trident.train.weight_sender`). What the advantage and the loss are made of, and why: ``docs/algorithms.md``.
+its ``WeightSender`` (:mod:`trident.train.weight_sender`). What the advantage and the loss are
+made of, and why: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

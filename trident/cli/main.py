@@ -1,4 +1,6 @@
-"""The ``trident`` command line.
+"""The ``trident`` command line: ``model``, ``sft``, ``eval``, ``train`` here; each other command
+group in its own module of this package (``rollout``, ``sandbox``, ``env``, ``data``,
+``report``/``inspect``), all sharing ``trident.cli.args``.
 
 Every job command takes ``--config FILE`` (repeatable), dotted overrides (``rollout.n=8``) and
 ``--dry-run`` (print the resolved config and exit). Expected failures (bad config, missing model,
@@ -15,85 +17,11 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
-from trident.config import ConfigError, TridentConfig, dump_config, load_config, save_config
-
-EPILOG = (
-    "Overrides are dotted KEY=VALUE pairs, e.g. `model.path=ckpt rollout.n=8`; see docs/config.md."
-)
-
-
-def _job_parser(sub, name: str, help_text: str, description: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help_text, description=description, epilog=EPILOG)
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    p.add_argument(
-        "-c",
-        "--config",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="YAML config file (repeatable)",
-    )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the resolved config and exit without starting anything",
-    )
-    return p
-
-
-def _resolve(
-    args: argparse.Namespace,
-    needs_model: bool = True,
-    prepare: Callable[[TridentConfig], object] | None = None,
-) -> TridentConfig | None:
-    """Load the config, print it (all of it on --dry-run, else what differs from the defaults) and
-    save it to the run directory, after ``prepare`` (``trident train``'s refusal, start over or
-    resume of a directory that holds a run: before the config overwrites the one there); None
-    after a dry run."""
-    import yaml
-    from rich.console import Console
-    from rich.syntax import Syntax
-
-    cfg = load_config(args.config, args.overrides)
-    console = Console(stderr=True)
-    if args.dry_run:
-        console.print(
-            Syntax(dump_config(cfg), "yaml", theme="ansi_dark", background_color="default")
-        )
-        return None
-    if needs_model:
-        from trident.models.load import check_model_path
-
-        check_model_path(cfg.model.path)
-    if prepare is not None:
-        prepare(cfg)
-    path = save_config(cfg, cfg.derived.run_dir)
-    changed = _diff(cfg.model_dump(mode="json"), TridentConfig().model_dump(mode="json"))
-    console.print(f"[bold]config[/] (non-default values; resolved config: {path})")
-    console.print(
-        Syntax(
-            yaml.safe_dump(changed, sort_keys=False).rstrip(),
-            "yaml",
-            theme="ansi_dark",
-            background_color="default",
-        )
-    )
-    return cfg
-
-
-def _diff(values: dict, defaults: dict) -> dict:
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
-            sub = _diff(value, defaults[key])
-            if sub:
-                out[key] = sub
-        elif value != defaults.get(key):
-            out[key] = value
-    return out
+from trident.cli import data, envs, rollout, sandbox, telemetry
+from trident.cli.args import job_parser, resolve
+from trident.config import ConfigError, load_config
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
@@ -113,7 +41,7 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    cfg = _resolve(args)
+    cfg = resolve(args)
     if cfg is None:
         return 0
     from trident.train.sft import run_sft
@@ -124,7 +52,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    cfg = _resolve(args)
+    cfg = resolve(args)
     if cfg is None:
         return 0
     from rich.console import Console
@@ -142,7 +70,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.overrides.append("run.resume=auto")
     from trident.pipeline.checkpoint import prepare_run_dir
 
-    cfg = _resolve(args, prepare=prepare_run_dir)  # prepared again by the run: a no-op then
+    cfg = resolve(args, prepare=prepare_run_dir)  # prepared again by the run: a no-op then
     if cfg is None:  # a dry run: the config was printed; the placement plan follows
         from trident.cluster.placement import local_resources, plan_for
 
@@ -177,124 +105,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     print(f"report: trident report {run_dir}")
     return 0
-
-
-def cmd_rollout_serve(args: argparse.Namespace) -> int:
-    """One vLLM server with trident's weight transfer, until Ctrl-C or SIGTERM; runs attach to
-    it with ``rollout.server_urls``, or it joins the running job ``--join RUN_DIR`` (and leaves
-    it on SIGTERM once its requests in flight are done: ``trident.rollout.membership``)."""
-    run_dir = Path(args.join) if args.join else None
-    if run_dir is not None:  # the run's own settings: model, dtype, LoRA, weight transfer
-        if not (run_dir / "config.yaml").is_file():
-            raise ConfigError(f"--join {run_dir}: not a run directory (no config.yaml)")
-        cfg = load_config([run_dir / "config.yaml"], args.overrides)
-    else:
-        cfg = _resolve(args)
-        if cfg is None:
-            return 0
-    from trident.rollout import membership
-    from trident.rollout.fleet import server_options
-    from trident.rollout.vllm_server import VLLMServer
-    from trident.weights.backend import SERVER_BACKENDS, served_model, weight_backend
-
-    backend = weight_backend(cfg.sync, lora=cfg.model.lora)
-    logs = Path(run_dir or cfg.derived.run_dir) / "logs"
-    log = logs / (f"vllm_server_joined_{os.getpid()}.log" if run_dir else "vllm_server.log")
-    server = VLLMServer(
-        cfg.model.path, log, port=0 if run_dir else cfg.rollout.base_port, host=args.host,
-        **server_options(cfg, SERVER_BACKENDS[backend], served_model(backend)),
-    )  # fmt: skip
-    print(f"starting a rollout server for {cfg.model.path} (log: {log})", file=sys.stderr)
-    url = server.start(cfg.rollout.startup_timeout_s)
-    try:
-        if run_dir is None:
-            print(f"serving at {url}: attach with 'rollout.server_urls=[{url}]'", flush=True)
-        else:
-            joined = membership.join(run_dir, url, cfg.rollout.startup_timeout_s)
-            print(f"serving at {url}: {joined}", flush=True)
-        assert server.proc is not None  # started
-        try:
-            code = server.proc.wait()  # Ctrl-C / SIGTERM raise out of the wait
-        except KeyboardInterrupt:
-            if run_dir is not None:  # leave: the run stops sending and lets its requests finish
-                print(f"leaving {run_dir}", file=sys.stderr, flush=True)
-                membership.wait_answer(membership.ask(run_dir, "leave", url), ANSWER_TIMEOUT_S)
-                print(f"left {run_dir}", file=sys.stderr, flush=True)
-            raise
-        print(f"the rollout server exited with code {code} (log: {log})", file=sys.stderr)
-        return 2
-    finally:
-        server.stop()
-
-
-# How long join and leave wait for the run's answer: a join is one weight push, and a leaver's
-# requests in flight finish within rollout requests' own bounds.
-ANSWER_TIMEOUT_S = 600
-
-
-def cmd_rollout_join(args: argparse.Namespace) -> int:
-    """Ask the running job in ``args.run_dir`` to bring the server at ``args.url`` (a
-    ``trident rollout serve``) to its weights and route to it."""
-    from trident.rollout import membership
-
-    print(membership.join(args.run_dir, args.url, ANSWER_TIMEOUT_S), flush=True)
-    return 0
-
-
-def cmd_rollout_leave(args: argparse.Namespace) -> int:
-    """Ask the running job in ``args.run_dir`` to stop routing to ``args.url`` and wait until
-    its requests in flight are done; the server can then be stopped."""
-    from trident.rollout import membership
-
-    request = membership.ask(args.run_dir, "leave", args.url)
-    _, answer = membership.wait_answer(request, ANSWER_TIMEOUT_S)
-    print(f"{args.url} left {args.run_dir} after {answer['seconds']:.1f} s", flush=True)
-    return 0
-
-
-def _rollout_parser(sub) -> None:
-    """``trident rollout serve|join|leave``."""
-    rollout = sub.add_parser(
-        "rollout", help="rollout servers", description="Rollout servers runs can attach to."
-    )
-    rollout_sub = rollout.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
-    p = _job_parser(
-        rollout_sub,
-        "serve",
-        "start one vLLM server that runs attach to (rollout.server_urls)",
-        "Start a vLLM server for model.path with trident's weight transfer (the options of the "
-        "servers trident train starts: rollout.*, sync.backend) on rollout.base_port, and keep it "
-        "up until Ctrl-C or SIGTERM. A run with rollout.server_urls=[URL] syncs and verifies it "
-        "like its own and leaves it running.",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument(
-        "--join",
-        metavar="RUN_DIR",
-        help="join the job running in RUN_DIR (its model and settings; the overrides apply on top): "
-        "the run brings this server to its weights, verified, then routes to it; SIGTERM leaves "
-        "the job once the server's requests in flight are done, then stops the server",
-    )
-    p.set_defaults(func=cmd_rollout_serve)
-    p = rollout_sub.add_parser(
-        "join",
-        help="add a running server to a running job",
-        description="Ask the job running in RUN_DIR to bring the server at URL (a `trident "
-        "rollout serve` of the job's model) to the job's weights, verified, and route to it.",
-    )
-    p.add_argument("url", help="the server's url")
-    p.add_argument("run_dir", help="the job's run directory")
-    p.set_defaults(func=cmd_rollout_join)
-    p = rollout_sub.add_parser(
-        "leave",
-        help="take a server out of a running job",
-        description="Ask the job running in RUN_DIR to send URL nothing new and wait until its "
-        "requests in flight are done (any server of the job: started, attached or joined). "
-        "The server itself is left running.",
-    )
-    p.add_argument("url", help="the server's url")
-    p.add_argument("run_dir", help="the job's run directory")
-    p.set_defaults(func=cmd_rollout_leave)
 
 
 def _model_parser(sub) -> None:
@@ -346,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _model_parser(sub)
 
-    p = _job_parser(
+    p = job_parser(
         sub,
         "sft",
         "supervised fine-tuning (the warm-up RL starts from)",
@@ -355,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_sft)
 
-    p = _job_parser(
+    p = job_parser(
         sub,
         "eval",
         "greedy accuracy and pass@k on a held-out split",
@@ -364,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="JSON output path (default <run dir>/eval.json)")
     p.set_defaults(func=cmd_eval)
 
-    p = _job_parser(
+    p = job_parser(
         sub,
         "train",
         "RL training (GRPO and friends) with vLLM rollout and FSDP2",
@@ -378,27 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_train)
 
-    _rollout_parser(sub)
-    for register in _plugins():
-        register(sub)
+    for component in (rollout, sandbox, envs, data, telemetry):  # each its own subcommands
+        component.register(sub)
     return parser
-
-
-def _plugins() -> list[Callable]:
-    """Subcommands that live with their component."""
-    registers = []
-    for module in (
-        "trident.sandbox.cli",
-        "trident.envs.cli",
-        "trident.data.cli",
-        "trident.telemetry.cli",
-    ):
-        try:
-            registers.append(__import__(module, fromlist=["register"]).register)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-    return registers
 
 
 # The errors that print one line (exit 2), by the module that defines each. Only modules already
@@ -411,7 +203,7 @@ _EXPECTED_ERRORS = {
     "trident.data.loaders": ("DataError",),
     "trident.models.load": ("ModelPathError",),
     "trident.pipeline.ledger": ("LedgerError",),
-    "trident.pipeline.recovery": ("ServerDiedError",),
+    "trident.pipeline.members": ("ServerDiedError",),
     "trident.pipeline.watchdog": ("HangError",),
     "trident.rollout.engine": ("EngineError",),
     "trident.rollout.membership": ("JoinRefused",),

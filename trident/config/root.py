@@ -1,16 +1,84 @@
-"""Checks across config sections: settings that are valid alone but not together.
+"""The root of the configuration tree, ``TridentConfig``: its sections (``trident.config.schema``),
+the sizes derived from them (``derived``, computed once from the rest), and the checks across
+sections: settings that are valid alone but not together.
 
 ``TridentConfig``'s validator calls ``combination_errors`` and raises one error listing them all,
-so a user fixes every conflict in one pass. The environment checks look names up in the
-environment registry (lazily, so loading a config imports no torch).
+so a user fixes every conflict in one pass, before anything heavy starts. The environment checks
+look names up in the environment registry (lazily, so loading a config imports no torch).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pydantic import BaseModel, Field, computed_field, model_validator
 
-if TYPE_CHECKING:
-    from trident.config.schema import TridentConfig
+from trident.config.algo import AlgoConfig
+from trident.config.schema import (
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    EnvConfig,
+    EvalConfig,
+    ModelConfig,
+    PipelineConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+    Section,
+    SFTConfig,
+    SyncConfig,
+    TelemetryConfig,
+    TrainerConfig,
+)
+from trident.config.tinker import TinkerConfig
+
+
+class Derived(BaseModel):
+    samples_per_step: int
+    total_samples: int
+    run_dir: str
+
+
+class TridentConfig(Section):
+    """The whole configuration; each command uses the sections it needs."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    tinker: TinkerConfig = Field(default_factory=TinkerConfig)
+
+    @computed_field
+    @property
+    def derived(self) -> Derived:
+        per_step = self.pipeline.prompts_per_step * self.rollout.n
+        return Derived(
+            samples_per_step=per_step,
+            total_samples=per_step * self.pipeline.steps,
+            run_dir=f"{self.run.dir.rstrip('/')}/{self.run.name}",
+        )
+
+    @property
+    def response_budget(self) -> int:
+        """Max model-written tokens of one sample: L_max of the overlong penalty."""
+        return self.env.max_response_tokens if self.env.name else self.rollout.max_tokens
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> TridentConfig:
+        fill_dependent_defaults(self)
+        if errors := combination_errors(self):
+            raise ValueError("; ".join(errors))
+        return self
 
 
 HALF_PRECISION_TOLERANCE = 0.1  # sync.tolerance's default where model.dtype is half precision

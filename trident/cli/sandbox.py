@@ -1,7 +1,7 @@
 """``trident sandbox run|serve``: run one command in a sandbox, or serve sandboxes over HTTP.
 
 ``register(subparsers)`` adds the ``sandbox`` command to trident's argparse tree; each leaf sets
-``func=handler(args) -> int``. ``python -m trident.sandbox.cli`` runs the same commands alone.
+``func=handler(args) -> int``. ``python -m trident.cli.sandbox`` runs the same commands alone.
 
 ``sandbox run`` prints exactly one JSON object (status, exit_code, stdout, stderr, duration_s,
 truncated) and exits 0 unless the sandbox itself failed (status ``error``: exit 1).
