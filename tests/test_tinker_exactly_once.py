@@ -32,6 +32,7 @@ import torch
 from trident.config import load_config
 from trident.tinker.journal import Journal, model_id_of
 from trident.tinker.models import UserError
+from trident.tinker.replay import state_files
 from trident.tinker.service import (
     Op,
     RequestConflict,
@@ -447,16 +448,14 @@ async def run_steps(svc: TinkerService, model_id: str, steps: range) -> list[Any
 
 
 async def finish(svc: TinkerService, model_id: str) -> dict[str, bytes]:
-    """Save the model's state and close; every file of the saved state, by its path (but
-    torch.distributed.checkpoint's ``.metadata``, which names each save by a random id)."""
+    """Save the model's state and close; every file of the saved state, by its path
+    (``state_files``)."""
     seq = 3 * STEPS + 1
     payload = await ready(svc, await svc.submit(op("save_weights", model_id, seq, path="final")))
     assert payload["path"] == f"tinker://{model_id}/weights/final"
     await svc.close()
     saved = svc.settings.state_dir / "models" / model_id.replace(":", "%3A") / "weights"
-    trainer = saved / "final" / "trainer"
-    files = [p for p in trainer.rglob("*") if p.is_file() and p.name != ".metadata"]
-    return {str(p.relative_to(trainer)): p.read_bytes() for p in files}
+    return state_files(saved / "final" / "trainer")
 
 
 def assert_bitwise(a: Any, b: Any) -> None:

@@ -66,6 +66,7 @@ from trident.tinker.sampling import ExpiredSample, Sampling
 from trident.tinker.scheduler import Futures, ModelExecutor, Queued
 from trident.tinker.snapshots import Snapshots
 from trident.tinker.wire import SampleCall
+from trident.weights.faults import fault_point
 
 KINDS = (
     *CREATE_KINDS,
@@ -314,6 +315,8 @@ class TinkerService:
         self._deliver(item.request_id, result)
         if self._repush == (model_id, item.seq_id):
             await self._resume_serving(model)
+        if item.kind == "forward_backward":  # a test's kill between a step's two halves
+            fault_point("tinker_forward_backward", [model_id])
         every = self.settings.snapshot_every
         if (
             item.kind == "optim_step"

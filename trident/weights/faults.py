@@ -1,14 +1,19 @@
 """Named moments of a weight sync at which a test can kill a server, deterministically.
 
 Inert unless ``TRIDENT_FAULT_DIR`` is set (the run's processes inherit it). A test arms moment
-``m`` by creating the file ``$TRIDENT_FAULT_DIR/m``; the next time rank 0 reaches ``m`` it
-consumes the file, writes ``m.hit`` (a JSON list of the servers involved) and waits until the
+``m`` by creating the file ``$TRIDENT_FAULT_DIR/m`` (empty, or holding ``n``: the ``n``-th time
+from now); when the process reaches ``m`` that time it consumes the file, writes ``m.hit`` (a JSON list of the servers involved) and waits until the
 test has done what it wanted (killed one of them) and deleted ``m.hit``, for at most
 ``WAIT_S``; then the sync goes on into the failure. The moments (``WeightSync``):
 
 - ``push``: the push's servers are paused, nothing is sent yet;
 - ``pushed``: the push is done and the servers resumed, the verification has not started;
 - ``rejoin``: a restarted server's transfer engine is set up again, its weights not sent yet.
+
+And of the training service (``trident.tinker.service``), where a test kills the whole server:
+
+- ``tinker_forward_backward``: a ``forward_backward`` has run on the model and its result is
+  stored; the request after it (the step's ``optim_step``) has not run.
 
 A kill at other moments (during generation) needs no hook: ``tests/test_server_recovery.py``
 kills a server while requests are in flight on it.
@@ -31,6 +36,12 @@ def fault_point(moment: str, urls: list[str]) -> None:
         return
     armed, hit = Path(directory) / moment, Path(directory) / f"{moment}.hit"
     try:
+        text = armed.read_text().strip()
+        if text and int(text) > 1:  # not this time: count down
+            scratch = armed.with_suffix(".count")
+            scratch.write_text(str(int(text) - 1))
+            scratch.rename(armed)
+            return
         armed.unlink()  # one-shot: a second process or a later sync finds nothing
     except FileNotFoundError:
         return
