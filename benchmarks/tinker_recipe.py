@@ -224,9 +224,9 @@ class Served:
                  fault_dir: Path | None = None, overrides: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.port, self.log, self.fault_dir = port, log, fault_dir
         self.command = [
-            sys.executable, "-m", "trident.cli", "tinker", "serve",
-            f"tinker.port={port}", f"tinker.state_dir={state_dir}",
-            *(f"tinker.models.{name}={path}" for name, path in models.items()),
+            sys.executable, "-m", "trident.cli", "tinker", "serve", "-c", "configs/tinker.yaml",
+            f"tinker.port={port}", f"tinker.state_dir={state_dir}", f"run.dir={state_dir.parent}",
+            "tinker.models={" + ", ".join(f"{n}: {p}" for n, p in models.items()) + "}",
             # replay is bitwise only so (trident.tinker.models)
             "run.deterministic=true", "trainer.cpu_threads=1", "telemetry.progress=false",
             *overrides,

@@ -284,6 +284,7 @@ FIGURE_DEFINITIONS = [
     ("architecture.md", "fixed 20 ms sleep", "vLLM's constant, which trident drops"),
     ("failures.md", "waits (up to 300 s)", "the fault hook's wait, a constant"),
     ("failures.md", "(default 1800 s)", "a config default"),
+    ("gpu.md", "if 150 s of the budget remain", "the trainer check's rule for its 7B case"),
     ("failures.md", "600 s for trainer ranks", "a start-up bound, a constant"),
     ("failures.md", "default is often 64 MB", "Docker's default /dev/shm size"),
     ("config.md", "(~1-2% of the bytes)", "arithmetic: r=16 adapters' share of a model's bytes"),
