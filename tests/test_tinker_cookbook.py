@@ -152,6 +152,11 @@ def serve_command_exists() -> bool:
     return proc.returncode == 0
 
 
+def served_as_itself(path: str | Path) -> dict[str, str]:
+    """The ``tinker.models`` map under which a recipe's ``model_name=<local dir>`` is served."""
+    return {str(path): str(path)}
+
+
 needs_serve = pytest.mark.skipif(
     not serve_command_exists(), reason="`trident tinker serve` is not on this branch yet"
 )
@@ -180,7 +185,9 @@ class Supervisor:
 @needs_serve
 @pytest.mark.slow
 def test_math_rl_runs_unmodified_and_its_reward_rises(warm_model, tmp_path):
-    served = recipe.Served(tmp_path / "state", free_port(), {}, tmp_path / "serve.log")
+    served = recipe.Served(
+        tmp_path / "state", free_port(), served_as_itself(warm_model), tmp_path / "serve.log"
+    )
     served.start()
     try:
         log = tmp_path / "math_rl"
@@ -208,7 +215,9 @@ def test_math_rl_killed_between_forward_backward_and_optim_step_applies_each_seq
     faults, state = tmp_path / "faults", tmp_path / "state"
     faults.mkdir()
     (faults / recipe.FAULT).write_text("2")
-    served = recipe.Served(state, free_port(), {}, tmp_path / "serve.log", faults)
+    served = recipe.Served(
+        state, free_port(), served_as_itself(formatted_model), tmp_path / "serve.log", faults
+    )
     served.start()
     supervisor = Supervisor(served, faults)
     supervisor.thread.start()
@@ -262,7 +271,9 @@ def test_a_supervised_run_killed_mid_way_ends_on_the_uninterrupted_weights(tiny_
         faults.mkdir(parents=True)
         if kill_at is not None:
             (faults / recipe.FAULT).write_text(str(kill_at))
-        served = recipe.Served(state, free_port(), {}, tmp_path / name / "serve.log", faults)
+        served = recipe.Served(
+            state, free_port(), served_as_itself(tiny_model), tmp_path / name / "serve.log", faults
+        )
         served.start()
         supervisor = Supervisor(served, faults)
         supervisor.thread.start()
