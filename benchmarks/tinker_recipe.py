@@ -300,9 +300,11 @@ def math_rl_command(base_url: str, model_dir: str | Path, log_path: Path, steps:
 
 
 def logged_metrics(log_path: Path) -> list[dict[str, Any]]:
-    """The recipe's per-step metrics (``<log_path>/metrics.jsonl``), one dict a step."""
+    """The recipe's per-step training metrics (``<log_path>/metrics.jsonl``), one dict a step:
+    the lines with a reward (the recipe's last line holds only the final save's timings)."""
     path = log_path / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [m for m in lines if REWARD_KEY in m]
 
 
 def supervised_rows(model_dir: str | Path, n: int, first_batch: int) -> list[Any]:

@@ -58,7 +58,7 @@ async def replay(
             if op.kind not in STATEFUL or op.request_id in journal.skipped:
                 continue
             args = decode(op.kind, journal.body(op.request_id))
-            result = await model.run(op.kind, args, op.request_id)
+            result = await model.run(op.kind, args, op.request_id, op.seq_id)
             if result.kind == "error":
                 raise ValueError(f"replayed {op.request_id} ({op.kind}) failed: {result.payload}")
         return trainer
