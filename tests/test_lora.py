@@ -146,8 +146,10 @@ def _two_ranks(rank: int, model: str, port: int, out: str) -> None:
     whole = {n: full_tensor(t) for n, t in worker.model.state_dict().items()}  # collective
     weights = lora.MergedWeights(worker.model)  # collective
     passes: list[dict[str, torch.Tensor]] = []
+    # whether the head goes out as the embedding, as WeightSender reads it
+    tied = bool(lora.base_model(worker.model).config.tie_word_embeddings)
     for _ in range(2):
-        stream = hf_named_tensors(weights, worker.tied)
+        stream = hf_named_tensors(weights, tied)
         if rank == 0:
             buckets = mark_last(iter_buckets(stream, 4096))
             passes.append({n: full_cpu(t) for bucket, _ in buckets for n, t in bucket})
