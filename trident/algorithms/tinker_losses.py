@@ -93,20 +93,18 @@ def _importance_sampling(logp: Tensor, inputs: Mapping[str, Tensor], _cfg: dict)
     return importance_sampling(logp, inputs["logprobs"], inputs["advantages"])
 
 
-def _ppo(logp: Tensor, inputs: Mapping[str, Tensor], cfg: dict) -> Tensor:
+def _bounds(cfg: dict, default: tuple[float, float]) -> tuple[float, float]:
+    """The ratio's clip bounds a call names, each falling back to the loss's default."""
     low, high = cfg.get("clip_low_threshold"), cfg.get("clip_high_threshold")
-    return ppo(
-        logp, inputs["logprobs"], inputs["advantages"],
-        _PPO_BOUNDS[0] if low is None else low, _PPO_BOUNDS[1] if high is None else high,
-    )  # fmt: skip
+    return (default[0] if low is None else low, default[1] if high is None else high)
+
+
+def _ppo(logp: Tensor, inputs: Mapping[str, Tensor], cfg: dict) -> Tensor:
+    return ppo(logp, inputs["logprobs"], inputs["advantages"], *_bounds(cfg, _PPO_BOUNDS))
 
 
 def _cispo(logp: Tensor, inputs: Mapping[str, Tensor], cfg: dict) -> Tensor:
-    low, high = cfg.get("clip_low_threshold"), cfg.get("clip_high_threshold")
-    return cispo(
-        logp, inputs["logprobs"], inputs["advantages"],
-        _CISPO_BOUNDS[0] if low is None else low, _CISPO_BOUNDS[1] if high is None else high,
-    )  # fmt: skip
+    return cispo(logp, inputs["logprobs"], inputs["advantages"], *_bounds(cfg, _CISPO_BOUNDS))
 
 
 def _dro(logp: Tensor, inputs: Mapping[str, Tensor], cfg: dict) -> Tensor:
