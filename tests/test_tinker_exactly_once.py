@@ -562,7 +562,14 @@ def test_a_process_killed_between_forward_backward_and_optim_step_loses_and_repe
     proc = subprocess.run([sys.executable, __file__, *args], timeout=300, capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     model_id, rids = json.loads(progress.read_text())
-    check_restart(tmp_path, base, crash, model_id, rids)
+    # both lives on one thread, as the killed process runs: a float sum over another number of
+    # threads (an earlier test's trainer.cpu_threads) rounds differently
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        check_restart(tmp_path, base, crash, model_id, rids)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("crash", ["between forward_backward and optim_step", "mid-snapshot"])
@@ -585,4 +592,5 @@ def test_the_real_trainer_restarts_on_the_uninterrupted_state_bitwise(tmp_path, 
 
 if __name__ == "__main__":  # the killed process of the test above
     state, base_dir, crash, progress = sys.argv[1:]
+    torch.set_num_threads(1)
     asyncio.run(first_life(Path(state), Path(base_dir), crash, True, Path(progress)))
